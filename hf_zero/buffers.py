@@ -1,0 +1,135 @@
+"""M_D: flat, contiguous parameter / gradient storage per group, views into it, and a reuse pool for the
+temporary full-size buffers (stage-2/3 gradient buckets, stage-3 gathered parameters)."""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .planning import GroupPlan
+
+
+class BufferPool:
+    """Hands out flat buffers by (numel, dtype, device) and takes them back, so steady-state steps allocate
+    nothing new. Tracks live and peak bytes for memory_stats()."""
+
+    def __init__(self) -> None:
+        self._free: Dict[Tuple[int, torch.dtype, torch.device], List[torch.Tensor]] = defaultdict(list)
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.allocations = 0  # fresh allocations (not reuses): M_D means this stops growing after step 1
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
+        free = self._free[(numel, dtype, device)]
+        if free:
+            buf = free.pop()
+        else:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self.allocations += 1
+        if zero:
+            buf.zero_()
+        self.live_bytes += buf.numel() * buf.element_size()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        self.live_bytes -= buf.numel() * buf.element_size()
+        self._free[(buf.numel(), buf.dtype, buf.device)].append(buf)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes held by the pool: live buffers plus free ones kept for reuse."""
+        return self.live_bytes + sum(b.numel() * b.element_size() for bs in self._free.values() for b in bs)
+
+
+def _bytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class FlatGroup:
+    """The runtime storage of one GroupPlan on one rank.
+
+    - `full`: stages 0-2, the padded flat compute buffer; every parameter's `.data` is a view into it.
+    - `shard`: the rank's owned range in the compute dtype (a view of `full`, or its own storage at stage 3).
+    - `master`: the owned range in the master dtype (fp32 under mixed precision); the same tensor as `shard`
+      when dtypes and devices agree (pure fp32 keeps no second copy).
+    - `grad_full` (stages 0/1): padded full gradient accumulator; `grad_shard`: the owned range of the reduced
+      gradient (a view of `grad_full` at stages 0/1, its own storage at 2/3).
+    """
+
+    def __init__(self, plan: GroupPlan, params: List[nn.Parameter], stage: int, rank: int,
+                 device: torch.device, master_dtype: Optional[torch.dtype], master_device: torch.device,
+                 accum_dtype: torch.dtype, full_values: torch.Tensor, shard_device: torch.device) -> None:
+        self.plan, self.params, self.stage, self.rank = plan, params, stage, rank
+        self.device = device
+        self.lo, self.hi = plan.owned_range(rank)
+        self.gathered = stage < 3
+        if stage < 3:
+            self.full = full_values.to(device=device, dtype=plan.dtype)
+            self.shard = self.full[self.lo:self.hi]
+        else:
+            # Stage 3: `full` keeps one storage for the group's whole life; it is resized to zero bytes when the
+            # unit is released and back when it is gathered. Parameters and any views autograd saved of them
+            # (F.linear saves weight.t()) therefore see the re-gathered values in the backward.
+            self.shard = full_values[self.lo:self.hi].to(device=shard_device, dtype=plan.dtype).clone()
+            self.full = torch.empty(plan.padded_numel, dtype=plan.dtype, device=device)
+        self.point_params(self.full)
+        if stage == 3:
+            self.free_full()
+        self.master: Optional[torch.Tensor] = None
+        self.grad_full: Optional[torch.Tensor] = None
+        self.grad_shard: Optional[torch.Tensor] = None
+        if plan.trainable:
+            if master_dtype == plan.dtype and master_device == self.shard.device:
+                self.master = self.shard
+            else:
+                self.master = full_values[self.lo:self.hi].to(device=master_device, dtype=master_dtype).clone()
+            if stage < 2:
+                self.grad_full = torch.zeros(plan.padded_numel, dtype=accum_dtype, device=device)
+                self.grad_shard = self.grad_full[self.lo:self.hi]
+            else:
+                self.grad_shard = torch.zeros(plan.shard_numel, dtype=accum_dtype, device=device)
+
+    @property
+    def master_is_shard(self) -> bool:
+        return self.master is self.shard
+
+    def views(self, buf: torch.Tensor) -> List[torch.Tensor]:
+        """Parameter-shaped views of a full flat buffer, in slot order."""
+        return [buf[s.offset:s.offset + s.numel].view(s.shape) for s in self.plan.slots]
+
+    def point_params(self, buf: torch.Tensor) -> None:
+        """Make every parameter's storage its view of `buf` (no copy)."""
+        for p, view in zip(self.params, self.views(buf)):
+            p.data = view
+
+    def alloc_full(self) -> torch.Tensor:
+        """Stage 3: give the full buffer its memory back (contents undefined until the all-gather lands)."""
+        storage = self.full.untyped_storage()
+        nbytes = self.full.numel() * self.full.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        return self.full
+
+    def free_full(self) -> None:
+        """Stage 3: drop the full buffer's memory; parameters keep their shapes but have no data until gathered."""
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self.full.untyped_storage().nbytes() if self.stage == 3 else 0
+
+    def write_master_to_shard(self) -> None:
+        """After the optimizer step: the updated master range becomes the compute-dtype parameter range."""
+        if self.master is not None and not self.master_is_shard:
+            self.shard.copy_(self.master, non_blocking=True)
+
+    def state_bytes(self) -> Dict[str, int]:
+        """Bytes of model states this group holds on this rank."""
+        params = _bytes(self.full) if self.stage < 3 else _bytes(self.shard)
+        grads = _bytes(self.grad_full) if self.grad_full is not None else _bytes(self.grad_shard)
+        master = 0 if (self.master is None or self.master_is_shard) else _bytes(self.master)
+        return {"params": params, "grads": grads, "master": master}

@@ -1,0 +1,145 @@
+"""Collectives with a ledger of elements and bytes per kind, async handles, and an optional mismatch check.
+
+Counting follows the paper: an all-gather or reduce-scatter of a Ψ-element (full) buffer moves Ψ elements per
+rank, an all-reduce 2Ψ. Scalar control traffic (grad norm, fp16 overflow flag) goes to the "control" kind so
+the data ledger can be checked against 2Ψ / 3Ψ exactly.
+"""
+from __future__ import annotations
+
+import zlib
+from collections import defaultdict
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+# torch 2.13 renamed the flat collectives (the old names warn); older torch only has the old ones.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks issued different collectives (the call that would otherwise hang)."""
+
+
+class Handle:
+    """An issued collective; `wait()` blocks for it and then runs the completion step (once)."""
+
+    def __init__(self, work: Optional[dist.Work], on_done: Optional[Callable[[], None]] = None) -> None:
+        self._work, self._on_done, self.done = work, on_done, False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        self.done = True
+        if self._on_done is not None:
+            self._on_done()
+
+
+class Comm:
+    """The process group the engine talks over. Without torch.distributed initialised it is a one-rank world."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, debug: bool = False, debug_timeout_s: float = 120):
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = group
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.debug = debug and self.distributed and self.world_size > 1
+        self.debug_timeout = timedelta(seconds=debug_timeout_s)
+        self._calls = 0
+        self._tags: Dict[int, str] = {}
+        self.reset_stats()
+
+    # ------------------------------------------------------------------ ledger
+    def reset_stats(self) -> None:
+        self.stats: Dict[str, Dict[str, int]] = defaultdict(lambda: {"calls": 0, "elements": 0, "bytes": 0})
+
+    def _record(self, kind: str, elements: int, element_size: int) -> None:
+        entry = self.stats[kind]
+        entry["calls"] += 1
+        entry["elements"] += elements
+        entry["bytes"] += elements * element_size
+
+    def snapshot(self) -> Dict[str, Dict[str, int]]:
+        out = {k: dict(v) for k, v in self.stats.items()}
+        out["total"] = {
+            key: sum(v[key] for k, v in self.stats.items() if k in DATA_KINDS) for key in ("calls", "elements", "bytes")
+        }
+        return out
+
+    # ------------------------------------------------------------------ debug
+    def _check(self, kind: str, tag: str, numel: int) -> None:
+        """Compare this call's fingerprint with every other rank's through the store; raise on a difference."""
+        self._calls += 1
+        if not self.debug:
+            return
+        store = dist.distributed_c10d._get_default_store()
+        desc = f"#{self._calls} {kind} of {numel} elements for {tag}"
+        store.set(f"hfz/{self._calls}/{self.rank}", desc)
+        others = [f"hfz/{self._calls}/{r}" for r in range(self.world_size) if r != self.rank]
+        try:
+            store.wait(others, self.debug_timeout)
+        except Exception as exc:  # a rank never reached this call: it ran fewer collectives
+            raise CollectiveMismatchError(
+                f"rank {self.rank} issued collective {desc}, but another rank did not issue collective #{self._calls} "
+                f"within {self.debug_timeout.total_seconds():.0f}s: ranks ran a different number of forwards/backwards "
+                f"(stage 3: wrap uneven work such as generate() in engine.gathered_parameters())"
+            ) from exc
+        for key in others:
+            theirs = store.get(key).decode()
+            if theirs.split(" ", 1)[1] != desc.split(" ", 1)[1]:
+                raise CollectiveMismatchError(
+                    f"collective mismatch: rank {self.rank} issued {desc} but rank {key.rsplit('/', 1)[1]} issued "
+                    f"{theirs}. Ranks must run the same modules in the same order (stage 3: use "
+                    f"engine.gathered_parameters() around uneven work)"
+                )
+
+    # ------------------------------------------------------------------ collectives
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = True) -> Handle:
+        """Concatenate every rank's `inp` into `out` (out.numel() == world * inp.numel())."""
+        if not self.distributed:
+            out.copy_(inp)
+            return Handle(None)
+        self._check("all_gather", tag, out.numel())
+        self._record("all_gather", out.numel(), out.element_size())
+        return Handle(_ALL_GATHER(out, inp, group=self.group, async_op=async_op))
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = True,
+                       on_done: Optional[Callable[[], None]] = None) -> Handle:
+        """Sum `inp` over ranks and leave chunk `rank` of the sum in `out`."""
+        if not self.distributed:
+            out.copy_(inp)
+            return Handle(None, on_done)
+        self._check("reduce_scatter", tag, inp.numel())
+        self._record("reduce_scatter", inp.numel(), inp.element_size())
+        work = _REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return Handle(work, on_done)
+
+    def all_reduce(self, tensor: torch.Tensor, tag: str = "", async_op: bool = True,
+                   on_done: Optional[Callable[[], None]] = None, control: bool = False,
+                   op: dist.ReduceOp = dist.ReduceOp.SUM) -> Handle:
+        """Sum (or `op`) `tensor` over ranks in place; `control=True` books it outside the data ledger."""
+        if not self.distributed:
+            return Handle(None, on_done)
+        self._check("all_reduce", tag, tensor.numel())
+        self._record("control" if control else "all_reduce", 2 * tensor.numel(), tensor.element_size())
+        return Handle(dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op), on_done)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, tag: str = "") -> None:
+        """Copy rank `src`'s tensor to every rank (used once at start so all ranks begin equal)."""
+        if not self.distributed or self.world_size == 1:
+            return
+        self._check("broadcast", tag, tensor.numel())
+        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        dist.broadcast(tensor, global_src, group=self.group)
+
+
+def wait_all(handles: List[Handle]) -> None:
+    """Wait for every handle in issue order and empty the list."""
+    for h in handles:
+        h.wait()
+    handles.clear()

@@ -1,0 +1,121 @@
+"""ZeroConfig: every engine option, its default, and its validation.
+
+The config is the bottom layer: it imports nothing from the rest of hf_zero, so the planner, the estimator and
+the integrations can all read it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+
+_MIXED_PRECISION = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_GRAD_ACCUM = ("fp32", "compute")
+_OFFLOAD = ("none", "cpu")
+
+
+class ZeroConfigError(ValueError):
+    """A ZeRO option has a value that is not allowed; the message names the option and the allowed values."""
+
+
+@dataclass
+class ZeroConfig:
+    """Options of the ZeRO engine.
+
+    Args:
+        stage: 0 (plain data parallel), 1 (partition optimizer states), 2 (+ gradients), 3 (+ parameters).
+        mixed_precision: "no"/"fp32" (train in the model's own dtypes), "bf16" or "fp16" (compute copies in that
+            dtype, fp32 master weights and optimizer states inside the shard; fp16 adds dynamic loss scaling).
+        grad_accum_dtype: "fp32" accumulates gradients (full buffer at stages 0/1, shard at 2/3) in fp32; "compute"
+            accumulates them in the compute dtype as the paper counts it (saves memory, loses precision with bf16).
+        reduce_bucket_size: bytes per gradient bucket at stages 0-2 (C_B: constant, independent of model size).
+        allgather_bucket_size: bytes per all-gather bucket after the step at stages 1-2.
+        prefetch: stage 3: how many units ahead to all-gather while the current one computes (0 disables).
+        units: module classes (or class names) whose instances are stage-3 units; default: the model's
+            `_no_split_modules` (HF models), else every direct child of the first `nn.ModuleList`.
+        offload_optimizer: "none" or "cpu": keep fp32 master shards and optimizer states in CPU memory.
+        offload_params: "none" or "cpu" (stage 3 only): keep parameter shards in CPU memory.
+        optimizer_is_elementwise: declare an optimizer class hf_zero does not know to be element-wise (it then runs
+            on 1-D segments of the shard); None means "only the known element-wise torch optimizers".
+        debug_collectives: before every collective, all-gather a fingerprint (kind, unit, size, call index) and
+            raise with both sides' descriptions if ranks disagree, instead of hanging.
+        initial_loss_scale / loss_scale_growth_interval / loss_scale_factor / min_loss_scale: fp16 dynamic scaler.
+    """
+
+    stage: int = 2
+    mixed_precision: str = "no"
+    grad_accum_dtype: str = "fp32"
+    reduce_bucket_size: int = 25 * 2**20
+    allgather_bucket_size: int = 25 * 2**20
+    prefetch: int = 1
+    units: Optional[Sequence[Union[str, type]]] = None
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    optimizer_is_elementwise: Optional[bool] = None
+    debug_collectives: bool = False
+    initial_loss_scale: float = 2.0**16
+    loss_scale_growth_interval: int = 2000
+    loss_scale_factor: float = 2.0
+    min_loss_scale: float = 1.0
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Raise ZeroConfigError naming the first bad option and what is allowed."""
+        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):
+            raise ZeroConfigError(f"stage={self.stage!r} is not a ZeRO stage; allowed: 0, 1, 2 or 3")
+        mp = str(self.mixed_precision).lower()
+        if mp not in _MIXED_PRECISION:
+            raise ZeroConfigError(
+                f"mixed_precision={self.mixed_precision!r} is unknown; allowed: {', '.join(_MIXED_PRECISION)}"
+            )
+        self.mixed_precision = "no" if mp == "fp32" else mp
+        if self.grad_accum_dtype not in _GRAD_ACCUM:
+            raise ZeroConfigError(f"grad_accum_dtype={self.grad_accum_dtype!r}; allowed: {', '.join(_GRAD_ACCUM)}")
+        for name in ("reduce_bucket_size", "allgather_bucket_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ZeroConfigError(f"{name}={value!r} must be a positive number of bytes (e.g. 25_000_000)")
+            setattr(self, name, int(value))
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ZeroConfigError(f"prefetch={self.prefetch!r} must be an integer >= 0 (units gathered ahead)")
+        for name in ("offload_optimizer", "offload_params"):
+            value = getattr(self, name)
+            value = "none" if value in (None, False) else str(value).lower()
+            if value not in _OFFLOAD:
+                raise ZeroConfigError(f"{name}={getattr(self, name)!r}; allowed: {', '.join(_OFFLOAD)}")
+            setattr(self, name, value)
+        if self.offload_params != "none" and self.stage != 3:
+            raise ZeroConfigError(
+                f"offload_params={self.offload_params!r} needs stage 3 (parameters are only partitioned at stage 3); "
+                f"got stage={self.stage}. Use stage=3 or offload_params='none'."
+            )
+        if self.initial_loss_scale <= 0 or self.loss_scale_factor <= 1 or self.loss_scale_growth_interval < 1:
+            raise ZeroConfigError("loss scaler: initial_loss_scale > 0, loss_scale_factor > 1, growth_interval >= 1")
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        """The dtype parameters are cast to for forward/backward, or None to keep each parameter's own dtype."""
+        return _MIXED_PRECISION[self.mixed_precision]
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "ZeroConfig":
+        """Build from a mapping (a parsed YAML file); unknown keys are an error that lists the known ones."""
+        known = {f.name for f in dataclasses.fields(cls) if f.name != "extra"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ZeroConfigError(f"unknown ZeRO option(s) {unknown}; known options: {sorted(known)}")
+        return cls(**dict(values))
+
+    def to_dict(self) -> dict:
+        """Plain-data view (for logs, manifests and YAML)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        if out["units"] is not None:
+            out["units"] = [u if isinstance(u, str) else u.__name__ for u in out["units"]]
+        return out

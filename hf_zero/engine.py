@@ -1,0 +1,318 @@
+"""shard_model(): wires the plan, the flat buffers, the reducer, the gatherer and the optimizer together.
+
+This is the one entry point of the engine. It speaks torch.nn.Module, torch.optim.Optimizer and
+torch.distributed only; the Accelerate and Transformers integrations sit on top of it.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .buffers import BufferPool, FlatGroup
+from .comm import Comm
+from .config import ZeroConfig
+from .gatherer import Gatherer, Unit
+from .optimizer import LossScaler, ZeroOptimizer, check_elementwise
+from .planning import ShardPlan, find_unit_modules, plan_model
+
+logger = logging.getLogger("hf_zero")
+
+
+def _default_device(model: nn.Module, group: Optional[dist.ProcessGroup]) -> torch.device:
+    if dist.is_initialized() and torch.cuda.is_available() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    for p in model.parameters():
+        if p.device.type == "meta":
+            raise ValueError("the model is on the meta device: materialise its weights before shard_model()")
+        return p.device
+    return torch.device("cpu")
+
+
+class ZeroEngine:
+    """A model and optimizer sharded with ZeRO. Build it with `shard_model`."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Optional[ZeroConfig] = None,
+                 process_group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None) -> None:
+        self.config = config = config if config is not None else ZeroConfig()
+        self.model = model
+        self.comm = Comm(process_group, debug=config.debug_collectives)
+        self.device = torch.device(device) if device is not None else _default_device(model, process_group)
+        self._check_optimizer(model, optimizer)
+        self.plan: ShardPlan = plan_model(model, self.comm.world_size, config)
+        self.pool = BufferPool()
+        self.scaler = (
+            LossScaler(config.initial_loss_scale, config.loss_scale_factor, config.loss_scale_growth_interval,
+                       config.min_loss_scale)
+            if config.mixed_precision == "fp16" else None
+        )
+        self._move_buffers()
+        self.groups = self._build_groups()
+        self._grads_prepared = False
+
+        from .reducer import Reducer  # noqa: local import keeps the layering visible: reducer sits on buffers/comm
+
+        self.gatherer: Optional[Gatherer] = None
+        self.reducer = Reducer(
+            self.groups, config.stage, self.comm, self.pool, max_inflight_bytes=2 * config.reduce_bucket_size,
+            on_launch=self._on_group_launched, on_backward_end=self._on_backward_end,
+        )
+        if config.stage == 3:
+            self._build_units()
+            model.register_state_dict_pre_hook(self._guard_state_dict)
+        self._allow_state_dict = False
+        self.optimizer = ZeroOptimizer(self, optimizer)
+        self.comm.reset_stats()  # the start-up broadcast is not training traffic
+        if self.comm.rank == 0:
+            self._log_plan()
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        names = {id(p): n for n, p in model.named_parameters()}
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if id(p) not in names:
+                    raise ValueError(
+                        f"optimizer param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) is not a parameter "
+                        f"of the model: build the optimizer over model.parameters() of the model you shard"
+                    )
+        return None
+
+    def _move_buffers(self) -> None:
+        for module in self.model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None and buf.device != self.device:
+                    module._buffers[key] = buf.to(self.device)
+        for name, buf in self.model.named_buffers():
+            self.comm.broadcast(buf.data if buf.is_floating_point() or buf.numel() else buf, tag=f"buffer {name}")
+
+    def _build_groups(self) -> List[FlatGroup]:
+        cfg, rank = self.config, self.comm.rank
+        params = dict(self.model.named_parameters())
+        master_device = torch.device("cpu") if cfg.offload_optimizer == "cpu" else self.device
+        shard_device = torch.device("cpu") if cfg.offload_params == "cpu" else self.device
+        groups = []
+        for gp in self.plan.groups:
+            members = [params[s.name] for s in gp.slots]
+            # Values in the master dtype for trainable groups (fp32 under mixed precision: the master starts from
+            # the un-rounded weights), in the compute dtype for frozen ones.
+            master_dtype = (torch.float32 if cfg.compute_dtype is not None else gp.dtype) if gp.trainable else None
+            value_dtype = master_dtype or gp.dtype
+            full = torch.zeros(gp.padded_numel, dtype=value_dtype, device=self.device)
+            for p, s in zip(members, gp.slots):
+                full[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
+            self.comm.broadcast(full, tag=f"initial values of group {gp.index}")  # every rank starts equal
+            accum = torch.float32 if (cfg.grad_accum_dtype == "fp32" and gp.dtype.is_floating_point) else gp.dtype
+            groups.append(FlatGroup(gp, members, cfg.stage, rank, self.device, master_dtype, master_device, accum,
+                                    full, shard_device))
+            del full
+        return groups
+
+    def _build_units(self) -> None:
+        modules = dict([("", self.model)] + find_unit_modules(self.model, self.config.units))
+        units = [Unit(u.index, u.name, modules[u.name], [self.groups[i] for i in u.groups], None)
+                 for u in self.plan.units]
+        self.gatherer = Gatherer(units, units[0], self.comm, self.pool, self.device, self.config.prefetch,
+                                 on_backward_start=self.reducer._queue_end_of_backward)
+        for u in units:
+            u.gatherer = self.gatherer
+
+    def _log_plan(self) -> None:
+        mem = self.memory_stats()
+        logger.info(
+            "hf_zero: %s; reduce bucket %d B, all-gather bucket %d B, prefetch %d; model states on this rank: "
+            "%.1f MiB (params %.1f, grads %.1f, master %.1f, optimizer %.1f)",
+            self.plan.describe(), self.config.reduce_bucket_size, self.config.allgather_bucket_size,
+            self.config.prefetch, mem["model_states"] / 2**20, mem["params"] / 2**20, mem["grads"] / 2**20,
+            mem["master"] / 2**20, mem["optimizer_states"] / 2**20,
+        )
+
+    # ------------------------------------------------------------------ hooks from the reducer
+    def _on_group_launched(self, group: FlatGroup) -> None:
+        if self.gatherer is not None:
+            self.gatherer.on_group_launched(group)
+
+    def _on_backward_end(self) -> None:
+        self._grads_prepared = False
+        if self.gatherer is not None:
+            self.gatherer.end_of_backward()
+
+    def _guard_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self._allow_state_dict or all(u.state == Unit.GATHERED for u in self.gatherer.units):
+            return
+        raise RuntimeError(
+            "hf_zero: this model's parameters are partitioned across ranks (ZeRO stage 3), so model.state_dict() "
+            "and save_pretrained() would write empty tensors. Call engine.full_state_dict() on every rank (or "
+            "accelerator.save_model / accelerator.get_state_dict), or wrap the call in engine.gathered_parameters()."
+        )
+
+    # ------------------------------------------------------------------ training API
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), with the fp16 loss scale applied."""
+        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Non-final micro-batches of gradient accumulation: stages 0/1 only accumulate locally; stages 2/3 keep
+        reduce-scattering every micro-batch (that is what bounds their gradient memory)."""
+        previous, self.reducer.sync = self.reducer.sync, False
+        try:
+            yield
+        finally:
+            self.reducer.sync = previous
+
+    def prepare_grads(self) -> bool:
+        """Finish reductions, average, unscale (fp16). Returns False when the fp16 step must be skipped."""
+        if self._grads_prepared:
+            return self._step_ok
+        self.reducer.finalize()
+        self._step_ok = True
+        if self.scaler is not None:
+            found = torch.zeros(1, device=self.device)
+            for g in self._trainable():
+                g.grad_shard.div_(self.scaler.scale)
+                found += (~torch.isfinite(g.grad_shard)).any().float()
+            self.comm.all_reduce(found, "fp16 overflow flag", async_op=False, control=True, op=dist.ReduceOp.MAX)
+            self._step_ok = bool(found.item() == 0)
+        self._grads_prepared = True
+        return self._step_ok
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the (global) gradient to `max_norm` and return the global norm over all ranks' shards."""
+        if not self.prepare_grads():
+            return torch.tensor(float("inf"))
+        norm_type = float(norm_type)
+        shards = [g.grad_shard for g in self._trainable()]
+        if norm_type == float("inf"):
+            local = torch.stack([s.abs().max().float() for s in shards]).max() if shards else torch.zeros(())
+            op = dist.ReduceOp.MAX
+        else:
+            local = sum((s.float().abs().pow(norm_type).sum() for s in shards), torch.zeros((), device=self.device))
+            op = dist.ReduceOp.SUM
+        local = local.reshape(1).to(self.device)
+        if self.config.stage >= 1:  # stage 0 holds the full, already averaged gradient on every rank
+            self.comm.all_reduce(local, "grad norm", async_op=False, control=True, op=op)
+        total = local[0] if norm_type == float("inf") else local[0] ** (1.0 / norm_type)
+        if max_norm != float("inf"):
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for s in shards:
+                s.mul_(coef.to(s.dtype))
+        return total
+
+    def after_step(self) -> None:
+        """The shard was updated: refresh the compute copy and (stages 1/2) all-gather the full parameters."""
+        handles, inflight = [], 0
+        for g in self.groups:
+            g.write_master_to_shard()
+            if self.config.stage in (1, 2) and self.comm.world_size > 1:
+                handles.append(self.comm.all_gather(g.full, g.shard, f"params of group {g.plan.index}"))
+                inflight += g.plan.padded_numel * g.full.element_size()
+                if inflight > self.config.allgather_bucket_size:  # C_B: bound the bytes in flight
+                    handles.pop(0).wait()
+                    inflight = 0
+        for h in handles:
+            h.wait()
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
+        self.zero_grad()
+
+    def skip_step(self) -> None:
+        logger.warning("hf_zero: fp16 overflow, skipping the step; loss scale %.0f -> %.0f", self.scaler.scale,
+                       self.scaler.scale / self.scaler.factor)
+        self.scaler.update(overflow=True)
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        self.reducer.zero_grad()
+        self._grads_prepared = False
+
+    def _trainable(self) -> List[FlatGroup]:
+        return [g for g in self.groups if g.plan.trainable]
+
+    # ------------------------------------------------------------------ introspection
+    def comm_stats(self) -> Dict[str, Dict[str, int]]:
+        """Cumulative calls, elements (paper counting) and bytes per collective kind, plus "total" (data only)."""
+        return self.comm.snapshot()
+
+    def reset_comm_stats(self) -> None:
+        self.comm.reset_stats()
+
+    def memory_stats(self) -> Dict[str, int]:
+        """Bytes of model states this rank holds (params, grads, master, optimizer_states), plus buffers (module
+        buffers, pooled buckets and gathered parameters) and the total."""
+        out = {"params": 0, "grads": 0, "master": 0}
+        for g in self.groups:
+            for k, v in g.state_bytes().items():
+                out[k] += v
+        seen = set()
+        opt = 0
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if torch.is_tensor(v) and id(v) not in seen:
+                    seen.add(id(v))
+                    opt += v.numel() * v.element_size()
+        out["optimizer_states"] = opt
+        out["model_states"] = out["params"] + out["grads"] + out["master"] + opt
+        out["module_buffers"] = sum(b.numel() * b.element_size() for b in self.model.buffers())
+        out["comm_buffers"] = self.pool.reserved_bytes
+        out["gathered_params"] = sum(g.gathered_bytes for g in self.groups)
+        out["buffers"] = out["module_buffers"] + out["comm_buffers"] + out["gathered_params"]
+        out["total"] = out["model_states"] + out["buffers"]
+        return out
+
+    # ------------------------------------------------------------------ full parameters
+    def gathered_parameters(self) -> contextlib.AbstractContextManager:
+        """Stage 3: full parameters on every rank inside the block (read-only; no collectives from forwards
+        inside, so ranks may run different numbers of forwards, e.g. generate()). Other stages: a no-op."""
+        return self.gatherer.gathered() if self.gatherer is not None else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Collective. Full weights with model.state_dict()'s keys on rank 0 (trainable ones from the fp32 master,
+        in each parameter's original dtype), one group at a time; {} on other ranks."""
+        self._allow_state_dict = True
+        try:
+            local_sd = self.model.state_dict(keep_vars=True)
+        finally:
+            self._allow_state_dict = False
+        rank0 = self.comm.rank == 0
+        values: Dict[str, torch.Tensor] = {}
+        for g in self.groups:
+            src = g.master if g.plan.trainable else g.shard
+            if g.plan.shard_numel == g.plan.padded_numel:  # not partitioned
+                full = src
+            else:
+                local = src.to(self.device)
+                full = torch.empty(g.plan.padded_numel, dtype=local.dtype, device=self.device)
+                self.comm.all_gather(full, local, f"full_state_dict group {g.plan.index}", async_op=False)
+            if rank0:
+                for slot in g.plan.slots:
+                    view = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                    t = view.to(device="cpu", dtype=slot.orig_dtype, copy=True)
+                    for alias in slot.aliases:
+                        values[alias] = t
+        if not rank0:
+            return {}
+        out = {}
+        for key, value in local_sd.items():
+            out[key] = values[key] if key in values else value.detach().to("cpu").clone()
+        return out
+
+
+def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, config: Optional[ZeroConfig] = None,
+                process_group: Optional[dist.ProcessGroup] = None,
+                device: Optional[torch.device] = None) -> ZeroEngine:
+    """Shard `model` (in place) and `optimizer` with ZeRO over `process_group` (default: the world).
+
+    The model keeps its class and module tree (hooks are added; parameters become views of flat buffers, or
+    empty between uses at stage 3). Use the returned engine's `optimizer` instead of the one passed in.
+    """
+    check_elementwise(optimizer, (config or ZeroConfig()).optimizer_is_elementwise)
+    return ZeroEngine(model, optimizer, config, process_group, device)

@@ -1,0 +1,213 @@
+"""Stage 3: gather a unit's parameters before its forward and again before its backward, prefetch the next unit
+in execution order, release after use.
+
+Hooks per unit module:
+- forward pre-hook: wait for (or issue) the unit's all-gather, point parameters at the gathered buffer, prefetch
+  the next `prefetch` units of the recorded forward order; wrap tensor inputs that require grad in an identity
+  autograd function whose backward marks "the unit's backward reached its inputs".
+- forward hook: register a gradient hook on the outputs (fires just before the unit's backward: gather again,
+  prefetch the previous unit) and release, unless the unit is the root (it stays gathered into the backward,
+  saving its second all-gather) or the backward is recomputing it.
+- release after backward: when the unit's trainable groups have been handed to the reducer and the backward
+  has reached the unit's inputs; whatever is left is released when autograd finishes.
+
+Transformers checkpoints a layer's `forward`, not its `__call__`, so these hooks do not run again during
+recomputation; the gradient hook on the outputs has already gathered the parameters by then.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .buffers import BufferPool, FlatGroup
+from .comm import Comm, Handle
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity whose backward tells the unit that gradients reached its inputs."""
+
+    @staticmethod
+    def forward(ctx, unit: "Unit", *tensors: torch.Tensor):
+        ctx.unit = unit
+        out = tuple(t.view_as(t) for t in tensors)
+        return out if len(out) > 1 else out[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.unit.inputs_done()
+        return (None, *grads)
+
+
+class Unit:
+    """A module whose parameter groups are gathered and released together."""
+
+    SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
+
+    def __init__(self, index: int, name: str, module: nn.Module, groups: List[FlatGroup], gatherer: "Gatherer"):
+        self.index, self.name, self.module, self.groups, self.gatherer = index, name or "<root>", module, groups, gatherer
+        self.state = Unit.SHARDED
+        self.handles: List[Handle] = []
+        self.in_backward = False
+        self.pending_groups = 0  # trainable groups not yet handed to the reducer in this backward
+        self.inputs_pending = False
+        self.pinned = False  # inside gathered_parameters(): hooks never release
+        self.is_root = False  # the root stays gathered from its forward to the end of the backward
+
+    # ------------------------------------------------------------ gather / release
+    def issue_gather(self) -> None:
+        if self.state != Unit.SHARDED:
+            return
+        g = self.gatherer
+        for group in self.groups:
+            full = group.alloc_full()
+            local = full[group.lo:group.hi]
+            local.copy_(group.shard, non_blocking=True)  # from CPU when parameters are offloaded
+            self.handles.append(g.comm.all_gather(full, local, f"params of unit {self.name}"))
+        self.state = Unit.GATHERING
+
+    def wait_gather(self) -> None:
+        self.issue_gather()
+        if self.state == Unit.GATHERING:
+            for h in self.handles:
+                h.wait()
+            self.handles.clear()
+            for group in self.groups:
+                group.gathered = True
+            self.state = Unit.GATHERED
+
+    def release(self) -> None:
+        if self.state == Unit.SHARDED or self.pinned:
+            return
+        self.wait_gather()  # a prefetch that was never used still has to complete
+        for group in self.groups:
+            group.free_full()
+        self.state = Unit.SHARDED
+
+    # ------------------------------------------------------------ backward bookkeeping
+    def start_backward(self) -> None:
+        if self.in_backward:
+            return
+        self.in_backward = True
+        self.pending_groups = sum(1 for g in self.groups if g.plan.trainable)
+        self.wait_gather()
+
+    def group_launched(self) -> None:
+        self.pending_groups -= 1
+        self._maybe_release_after_backward()
+
+    def inputs_done(self) -> None:
+        self.inputs_pending = False
+        self._maybe_release_after_backward()
+
+    def _maybe_release_after_backward(self) -> None:
+        if self.in_backward and not self.is_root and self.pending_groups <= 0 and not self.inputs_pending:
+            self.release()
+
+    def end_backward(self) -> None:
+        self.in_backward, self.inputs_pending, self.pending_groups = False, False, 0
+        self.release()
+
+
+class Gatherer:
+    """Installs the stage-3 hooks and keeps the execution order used for prefetching."""
+
+    def __init__(self, units: List[Unit], root: Unit, comm: Comm, pool: BufferPool, device: torch.device,
+                 prefetch: int, on_backward_start: Callable[[], None]) -> None:
+        self.units, self.root, self.comm, self.pool, self.device = units, root, comm, pool, device
+        self.on_backward_start = on_backward_start
+        root.is_root = True
+        self.prefetch = prefetch
+        self.order: List[Unit] = []  # forward execution order, recorded on the first forward
+        self._recording = True
+        self.by_group: Dict[int, Unit] = {id(g): u for u in units for g in u.groups}
+        self._hooks = []
+        for unit in units:
+            self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit), with_kwargs=True))
+            self._hooks.append(unit.module.register_forward_hook(self._make_post(unit)))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    # ------------------------------------------------------------ prefetch
+    def _next_units(self, unit: Unit, backward: bool) -> List[Unit]:
+        if unit not in self.order or self.prefetch == 0:
+            return []
+        i = self.order.index(unit)
+        if backward:
+            return [u for u in reversed(self.order[max(0, i - self.prefetch):i]) if u is not self.root]
+        return self.order[i + 1:i + 1 + self.prefetch]
+
+    # ------------------------------------------------------------ hooks
+    def _make_pre(self, unit: Unit):
+        def pre_forward(module: nn.Module, args: Any, kwargs: Dict[str, Any]):
+            if unit is self.root and self.order and self._recording:
+                self._recording = False  # the second forward starts: the order is known
+            if self._recording and unit not in self.order:
+                self.order.append(unit)
+            unit.wait_gather()
+            for nxt in self._next_units(unit, backward=False):
+                nxt.issue_gather()
+            if not torch.is_grad_enabled() or unit is self.root:
+                return None
+            flat, spec = tree_flatten((args, kwargs))
+            idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+            unit.inputs_pending = bool(idx)
+            if not idx:
+                return None
+            out = _PostBackward.apply(unit, *[flat[i] for i in idx])
+            out = out if isinstance(out, tuple) else (out,)
+            for i, t in zip(idx, out):
+                flat[i] = t
+            return tree_unflatten(flat, spec)
+
+        return pre_forward
+
+    def _make_post(self, unit: Unit):
+        def post_forward(module: nn.Module, args: Any, output: Any):
+            grad_outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if torch.is_grad_enabled() and grad_outputs:
+                def pre_backward(grad: torch.Tensor) -> torch.Tensor:
+                    self.on_backward_start()
+                    unit.start_backward()
+                    for prev in self._next_units(unit, backward=True):
+                        prev.issue_gather()
+                    return grad
+
+                for t in grad_outputs:
+                    t.register_hook(pre_backward)
+                if unit is not self.root and not unit.in_backward:
+                    unit.release()
+            else:
+                unit.release()
+            return None
+
+        return post_forward
+
+    def on_group_launched(self, group: FlatGroup) -> None:
+        unit = self.by_group.get(id(group))
+        if unit is not None:
+            unit.group_launched()
+
+    def end_of_backward(self) -> None:
+        for unit in self.units:
+            unit.end_backward()
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """All units gathered and pinned for the duration (no collectives from forwards inside)."""
+        for unit in self.units:
+            unit.issue_gather()
+        for unit in self.units:
+            unit.wait_gather()
+            unit.pinned = True
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.pinned = False
+                unit.release()

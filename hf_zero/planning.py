@@ -1,0 +1,193 @@
+"""The shard plan: units, flat layouts and who owns which range.
+
+A pure function of the model's parameter shapes, dtypes and names, the world size and the config. It touches no
+storage, so it runs on the meta device for any model size (the estimator uses it too).
+
+Layout: every unit (a repeated block such as ``GPT2Block``, plus one root unit for everything else) splits its
+parameters by kind (compute dtype, trainable) into flat groups. At stages 0-2 a group is also capped at the
+reduce bucket size (C_B: constant-size buckets); at stage 3 a group is a whole unit kind (one all-gather each).
+Each group is padded to a multiple of the partition size P (the world size, or 1 at stage 0) and rank r owns
+the contiguous range [r*S, (r+1)*S) with S = padded / P.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .config import ZeroConfig
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter inside a flat group."""
+
+    name: str  # canonical name (first in model.named_parameters order)
+    aliases: Tuple[str, ...]  # every name the parameter has (tied weights have several)
+    shape: Tuple[int, ...]
+    orig_dtype: torch.dtype
+    offset: int  # element offset inside the group's flat buffer
+    numel: int
+
+
+@dataclass
+class GroupPlan:
+    """A flat buffer: parameters of one kind inside one unit, padded to a multiple of the partition size."""
+
+    index: int
+    unit: int
+    dtype: torch.dtype  # compute dtype of the flat buffer
+    trainable: bool
+    slots: List[Slot] = field(default_factory=list)
+    numel: int = 0
+    padded_numel: int = 0
+    shard_numel: int = 0
+
+    def owned_range(self, rank: int) -> Tuple[int, int]:
+        """[start, end) of the flat buffer that `rank` owns (the whole buffer when not partitioned)."""
+        if self.padded_numel == self.shard_numel:
+            return 0, self.padded_numel
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+
+@dataclass
+class UnitPlan:
+    """A module gathered and released as one piece at stage 3 (the root unit has name "")."""
+
+    index: int
+    name: str
+    module_type: str
+    groups: List[int] = field(default_factory=list)
+
+
+@dataclass
+class ShardPlan:
+    """Everything the engine and the estimator need to know about the layout."""
+
+    world_size: int
+    partition_size: int
+    stage: int
+    units: List[UnitPlan]
+    groups: List[GroupPlan]
+
+    @property
+    def num_trainable(self) -> int:
+        """Ψ: the number of trainable parameter elements (tied weights once)."""
+        return sum(g.numel for g in self.groups if g.trainable)
+
+    @property
+    def num_frozen(self) -> int:
+        return sum(g.numel for g in self.groups if not g.trainable)
+
+    @property
+    def padding(self) -> int:
+        return sum(g.padded_numel - g.numel for g in self.groups)
+
+    def largest_unit_numel(self) -> int:
+        return max((sum(self.groups[i].padded_numel for i in u.groups) for u in self.units), default=0)
+
+    def describe(self) -> str:
+        """One line per unit kind, for the start-of-run log."""
+        kinds: Dict[str, List[int]] = {}
+        for u in self.units:
+            kinds.setdefault(u.module_type, []).append(sum(self.groups[i].numel for i in u.groups))
+        parts = [f"{len(v)}x {k} ({v[0]:,} params)" for k, v in kinds.items()]
+        return (
+            f"stage {self.stage}, world {self.world_size}, {len(self.units)} units [{'; '.join(parts)}], "
+            f"{len(self.groups)} flat groups, Ψ={self.num_trainable:,} trainable + {self.num_frozen:,} frozen, "
+            f"padding {self.padding:,}"
+        )
+
+
+def find_unit_modules(model: nn.Module, units: Optional[Sequence] = None) -> List[Tuple[str, nn.Module]]:
+    """The outermost modules that form stage-3 units, in registration order.
+
+    `units` lists classes or class names; by default the model's `_no_split_modules` (Transformers models), else
+    the children of the first `nn.ModuleList` found (a plain stack of blocks).
+    """
+    if units is None:
+        units = list(getattr(model, "_no_split_modules", None) or [])
+        if not units:
+            for _, module in model.named_modules():
+                if isinstance(module, nn.ModuleList) and len(module) > 0:
+                    units = [type(child) for child in module]
+                    break
+    wanted = {u if isinstance(u, str) else u.__name__ for u in units}
+    found: List[Tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if module is model or type(module).__name__ not in wanted:
+            continue
+        if any(name.startswith(outer + ".") for outer, _ in found):
+            continue  # nested inside an outer unit: the outer one gathers it
+        found.append((name, module))
+    return found
+
+
+def _unit_of(name: str, unit_names: List[str]) -> int:
+    """Index (1-based; 0 is the root) of the unit that holds the parameter `name`."""
+    for i, unit in enumerate(unit_names):
+        if name.startswith(unit + "."):
+            return i + 1
+    return 0
+
+
+def compute_dtype_of(param: torch.Tensor, config: ZeroConfig) -> torch.dtype:
+    """Floating parameters compute in the mixed-precision dtype; others (and "no") keep their own."""
+    if config.compute_dtype is not None and param.is_floating_point():
+        return config.compute_dtype
+    return param.dtype
+
+
+def plan_model(model: nn.Module, world_size: int, config: ZeroConfig) -> ShardPlan:
+    """Build the shard plan of `model` (any device, meta included) for `world_size` ranks."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    unit_modules = find_unit_modules(model, config.units)
+    unit_names = [n for n, _ in unit_modules]
+    units = [UnitPlan(0, "", type(model).__name__)] + [
+        UnitPlan(i + 1, n, type(m).__name__) for i, (n, m) in enumerate(unit_modules)
+    ]
+
+    # Each distinct parameter once, with all its names; a tied parameter used by two units goes to the root.
+    params: Dict[int, Tuple[nn.Parameter, List[str]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        params.setdefault(id(p), (p, []))[1].append(name)
+
+    partition = 1 if config.stage == 0 else world_size
+    # Bucket cap in elements, per compute dtype; stage 3 never splits a unit.
+    groups: List[GroupPlan] = []
+    for unit in units:
+        members = []
+        for p, names in params.values():
+            owners = {_unit_of(n, unit_names) for n in names}
+            owner = owners.pop() if len(owners) == 1 else 0
+            if owner == unit.index:
+                members.append((p, names))
+        open_groups: Dict[Tuple[torch.dtype, bool], GroupPlan] = {}
+        for p, names in members:
+            dtype, trainable = compute_dtype_of(p, config), bool(p.requires_grad)
+            cap = max(1, config.reduce_bucket_size // torch.empty((), dtype=dtype).element_size())
+            key = (dtype, trainable)
+            group = open_groups.get(key)
+            if group is None or (config.stage < 3 and group.numel > 0 and group.numel + p.numel() > cap):
+                group = GroupPlan(index=len(groups), unit=unit.index, dtype=dtype, trainable=trainable)
+                groups.append(group)
+                unit.groups.append(group.index)
+                open_groups[key] = group
+            group.slots.append(Slot(names[0], tuple(names), tuple(p.shape), p.dtype, group.numel, p.numel()))
+            group.numel += p.numel()
+    for g in groups:
+        g.padded_numel = -(-g.numel // partition) * partition if g.numel else 0
+        g.shard_numel = g.padded_numel // partition
+    return ShardPlan(world_size=world_size, partition_size=partition, stage=config.stage, units=units, groups=groups)
+
+
+def iter_owned_segments(group: GroupPlan, rank: int) -> Iterable[Tuple[Slot, int, int]]:
+    """(slot, start, end) for each parameter ∩ the rank's owned range, in shard-local coordinates."""
+    lo, hi = group.owned_range(rank)
+    for slot in group.slots:
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a < b:
+            yield slot, a - lo, b - lo
