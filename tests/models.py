@@ -26,11 +26,11 @@ def _config(kind: str):
     if kind == "gpt2":  # tied embeddings (lm_head.weight is transformer.wte.weight); 13153 params
         return GPT2Config(
             vocab_size=VOCAB, n_positions=SEQ_LEN, n_embd=25, n_layer=2, n_head=5, n_inner=39,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+            initializer_range=0.3, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
         )
     if kind == "llama":  # untied lm_head; 44450 params
         return LlamaConfig(
-            vocab_size=VOCAB, hidden_size=50, num_attention_heads=5, num_key_value_heads=5, intermediate_size=37,
+            initializer_range=0.3, vocab_size=VOCAB, hidden_size=50, num_attention_heads=5, num_key_value_heads=5, intermediate_size=37,
             num_hidden_layers=2, max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
             bos_token_id=0, eos_token_id=0, pad_token_id=None,
         )

@@ -1,0 +1,25 @@
+"""hf-zero: the command line (bench now; config, estimate, consolidate and push join as they land)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-zero", description="ZeRO for Hugging Face: tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="train a causal LM under DDP, FSDP2 and hf_zero stages 0-3 side by side")
+    from .bench import add_arguments as add_bench_arguments
+
+    add_bench_arguments(bench)
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        from .bench import run
+
+        return run(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
