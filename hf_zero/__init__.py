@@ -3,5 +3,23 @@ from .config import ZeroConfig, ZeroConfigError
 from .engine import ZeroEngine, shard_model
 from .optimizer import ZeroOptimizer
 
-__all__ = ["ZeroConfig", "ZeroConfigError", "ZeroEngine", "ZeroOptimizer", "shard_model"]
+__all__ = ["ZeroConfig", "ZeroConfigError", "ZeroEngine", "ZeroOptimizer", "shard_model", "HfZeroAccelerator", "ZeroPlugin",
+           "ZeroTrainer", "ZeroTrainingArguments"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The integrations import Accelerate / Transformers: load them only when asked for.
+    if name in ("HfZeroAccelerator",):
+        from .integrations.accelerate import HfZeroAccelerator
+
+        return HfZeroAccelerator
+    if name in ("ZeroPlugin",):
+        from .integrations.plugin import ZeroPlugin
+
+        return ZeroPlugin
+    if name in ("ZeroTrainer", "ZeroTrainingArguments"):
+        from .integrations import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'hf_zero' has no attribute {name!r}")

@@ -70,6 +70,13 @@ class ZeroEngine:
         if self.comm.rank == 0:
             self._log_plan()
 
+    def close(self) -> None:
+        """Remove the engine's hooks (the model keeps its current, possibly sharded, storage)."""
+        self.reducer.finalize()
+        self.reducer.remove_hooks()
+        if self.gatherer is not None:
+            self.gatherer.remove_hooks()
+
     # ------------------------------------------------------------------ construction
     @staticmethod
     def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

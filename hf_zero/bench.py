@@ -1,0 +1,760 @@
+"""hf-zero bench: train one causal LM under DDP, FSDP2, torch's ZeroRedundancyOptimizer and hf_zero stages 0-3.
+
+Every system runs in its own freshly spawned group of worker processes (gloo on CPU, nccl on CUDA), so peak memory
+is per system. Each trains the same model (built from a config, dropout off, same seed) on the same deterministic
+random tokens for `--warmup` untimed and `--steps` timed optimizer steps, and rank 0 reports, as the maximum over
+ranks:
+
+- tokens/s: global tokens (world x batch x seq-len x grad-accum per step) per second over the timed steps;
+- model-state bytes per rank, measured (hf_zero: `engine.memory_stats()["model_states"]`; the torch systems: bytes of
+  the parameter, .grad and optimizer-state tensors the rank holds, local shards for DTensors) beside the paper's
+  formula (`hf_zero.memory.model_state_bytes`);
+- peak memory per rank (CPU: VmHWM, the peak RSS; CUDA: torch.cuda.max_memory_allocated);
+- elements communicated per step, measured (hf_zero: its collective ledger, data kinds only; DDP: a comm hook
+  counting 2x each all-reduced bucket) beside the formula (`hf_zero.memory.comm_elements_per_step`).
+
+Systems live in the SYSTEMS registry below (name -> SystemSpec with a builder); add peers there.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import multiprocessing.connection
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+HF_ZERO_PREFIX = "zero"  # zero0..zero3 are hf_zero; their failure makes the exit code non-zero
+DEFAULT_TIMEOUT_S = 1800
+ERROR_GRACE_S = 20  # after one rank died, how long its peers get to fail on their own before being killed
+
+PRESETS: Dict[str, Dict[str, Any]] = {
+    # GPT-2 small (124M): the shapes of the `gpt2` checkpoint, built from scratch.
+    "gpt2": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12),
+    # A GPT-2 of ~141K parameters for tests and smoke runs.
+    "tiny": dict(model_type="gpt2", vocab_size=512, n_positions=128, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
+                 eos_token_id=0),
+}
+
+
+def _log(msg: str) -> None:
+    print(f"[hf-zero bench] {msg}", file=sys.stderr, flush=True)
+
+
+# ====================================================================================================== settings
+@dataclass
+class Settings:
+    """Everything a worker needs (picklable)."""
+
+    model_config: Dict[str, Any]
+    model_name: str
+    steps: int
+    warmup: int
+    batch_size: int
+    seq_len: int
+    grad_accum: int
+    mixed_precision: str
+    num_processes: int
+    lr: float
+    seed: int
+    timeout_s: float
+    threads_per_rank: int = 1
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.num_processes * self.batch_size * self.seq_len * self.grad_accum
+
+
+def _load_model_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], str]:
+    if args.config:
+        with open(args.config) as f:
+            cfg = json.load(f)
+        if "model_type" not in cfg:
+            raise ValueError(f"{args.config}: a config.json needs a model_type (e.g. \"gpt2\", \"llama\")")
+        return cfg, os.path.abspath(args.config)
+    return dict(PRESETS[args.preset]), args.preset
+
+
+def build_config(model_config: Dict[str, Any]):
+    """A transformers config from a dict, with every dropout probability set to 0 and the KV cache off."""
+    import transformers
+    from transformers import AutoConfig
+
+    transformers.logging.set_verbosity_error()
+    values = dict(model_config)
+    model_type = values.pop("model_type")
+    config = AutoConfig.for_model(model_type, **values)
+    for key, value in list(config.to_dict().items()):
+        if isinstance(value, float) and not isinstance(value, bool) and (
+                "dropout" in key or "pdrop" in key) and hasattr(config, key):
+            setattr(config, key, 0.0)
+    config.use_cache = False
+    return config
+
+
+def _max_positions(config) -> Optional[int]:
+    for key in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+# ====================================================================================================== trainers
+class Trainer:
+    """One system's training loop pieces on one rank."""
+
+    #: how the paper counts this system: model-state formula stage and recipe, communication formula
+    def micro_step(self, input_ids, final: bool):
+        """Forward and backward of one micro-batch (gradient sync only when `final`); returns the detached loss."""
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        """Before each step's first micro-batch (set to None), so the gradients exist when measured after the loop."""
+
+    def state_bytes(self) -> int:
+        raise NotImplementedError
+
+    def comm_elements(self) -> Optional[Dict[str, float]]:
+        """Cumulative elements sent per collective kind (paper counting), or None when not measured."""
+        return None
+
+
+def _nbytes(t) -> int:
+    if t is None:
+        return 0
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def _torch_state_bytes(params, optimizer) -> int:
+    """Bytes of parameters, their .grad and the optimizer's state tensors held on this rank (local shards)."""
+    import torch
+
+    seen, total = set(), 0
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += _nbytes(p) + _nbytes(p.grad)
+    for state in optimizer.state.values():
+        for v in state.values():
+            if torch.is_tensor(v) and id(v) not in seen:
+                seen.add(id(v))
+                total += _nbytes(v)
+    return total
+
+
+class _TorchTrainer(Trainer):
+    def __init__(self, model, optimizer, ctx: "WorkerContext", loss_model=None) -> None:
+        self.model, self.optimizer, self.ctx = model, optimizer, ctx
+        self.raw = loss_model if loss_model is not None else model
+
+    def _forward(self, input_ids):
+        import torch
+
+        if self.ctx.settings.mixed_precision == "bf16" and self.ctx.autocast:
+            with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16):
+                return self.model(input_ids=input_ids, labels=input_ids).loss
+        return self.model(input_ids=input_ids, labels=input_ids).loss
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_bytes(self) -> int:
+        return _torch_state_bytes(self.raw.parameters(), self._local_optimizer())
+
+    def _local_optimizer(self):
+        return self.optimizer
+
+
+class DDPTrainer(_TorchTrainer):
+    """torch DDP; a comm hook counts 2x the numel of every all-reduced bucket, then runs the default all-reduce."""
+
+    def __init__(self, model, ctx: "WorkerContext", optimizer_factory=None) -> None:
+        import torch
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        kwargs = {"device_ids": [ctx.device.index]} if ctx.device.type == "cuda" else {}
+        ddp = DDP(model, **kwargs)
+        self.counted = {"all_reduce": 0}
+
+        def counting_allreduce(state, bucket):
+            self.counted["all_reduce"] += 2 * bucket.buffer().numel()
+            return default_hooks.allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, counting_allreduce)
+        factory = optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=ctx.settings.lr))
+        super().__init__(ddp, factory(ddp.parameters()), ctx, loss_model=model)
+
+    def micro_step(self, input_ids, final: bool):
+        import contextlib
+
+        m = self.ctx.settings.grad_accum
+        with (contextlib.nullcontext() if final else self.model.no_sync()):
+            loss = self._forward(input_ids)
+            (loss / m).backward()
+        return loss.detach()
+
+    def comm_elements(self) -> Optional[Dict[str, float]]:
+        return dict(self.counted)
+
+
+class ZeroRedundancyTrainer(DDPTrainer):
+    """DDP plus torch.distributed.optim.ZeroRedundancyOptimizer (optimizer states sharded, parameters broadcast
+    after the step). Communication is not measured (the DDP hook would see only the all-reduce half)."""
+
+    def __init__(self, model, ctx: "WorkerContext") -> None:
+        import torch
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        super().__init__(model, ctx, optimizer_factory=lambda params: ZeroRedundancyOptimizer(
+            params, optimizer_class=torch.optim.AdamW, lr=ctx.settings.lr))
+
+    def _local_optimizer(self):
+        return self.optimizer.optim  # the rank's inner AdamW over the parameters it owns
+
+    def comm_elements(self) -> Optional[Dict[str, float]]:
+        return None
+
+
+class FSDP2Trainer(_TorchTrainer):
+    """torch FSDP2: fully_shard on every transformer block, then on the root."""
+
+    def __init__(self, model, ctx: "WorkerContext") -> None:
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from .planning import find_unit_modules
+
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                     if ctx.settings.mixed_precision == "bf16" else MixedPrecisionPolicy())
+        blocks = find_unit_modules(model)  # the model's _no_split_modules (GPT2Block, LlamaDecoderLayer, ...)
+        for _, block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        ctx.autocast = False  # the mixed-precision policy casts
+        super().__init__(model, torch.optim.AdamW(model.parameters(), lr=ctx.settings.lr), ctx)
+
+    def micro_step(self, input_ids, final: bool):
+        m = self.ctx.settings.grad_accum
+        self.model.set_requires_gradient_sync(final)
+        loss = self._forward(input_ids)
+        (loss / m).backward()
+        return loss.detach()
+
+
+class HfZeroTrainer(Trainer):
+    """hf_zero: shard_model(model, AdamW, ZeroConfig(stage=k)); no_sync on non-final micro-batches."""
+
+    def __init__(self, model, ctx: "WorkerContext", stage: int) -> None:
+        import torch
+
+        from . import ZeroConfig, shard_model
+
+        self.ctx = ctx
+        self.config = ZeroConfig(stage=stage, mixed_precision=ctx.settings.mixed_precision)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.settings.lr)
+        self.engine = shard_model(model, optimizer, self.config, device=ctx.device)
+        self.model = model
+
+    def micro_step(self, input_ids, final: bool):
+        import contextlib
+
+        m = self.ctx.settings.grad_accum
+        with (contextlib.nullcontext() if final else self.engine.no_sync()):
+            loss = self.model(input_ids=input_ids, labels=input_ids).loss
+            self.engine.backward(loss / m)
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        self.engine.optimizer.step()
+
+    def state_bytes(self) -> int:
+        return int(self.engine.memory_stats()["model_states"])
+
+    def comm_elements(self) -> Optional[Dict[str, float]]:
+        from .comm import DATA_KINDS
+
+        stats = self.engine.comm_stats()
+        return {k: v["elements"] for k, v in stats.items() if k in DATA_KINDS}  # not "control", not "total"
+
+
+# ====================================================================================================== registry
+@dataclass
+class SystemSpec:
+    """A benchmarked system: how to build its trainer on one rank, and how the paper counts it."""
+
+    build: Callable[[Any, "WorkerContext"], Trainer]
+    state_stage: int  # model_state_bytes() stage
+    recipe: Callable[[Settings], Any]  # -> hf_zero.memory.Recipe
+    comm_formula: Callable[[float, Settings], Dict[str, float]]  # Ψ, settings -> elements per kind per step
+    hf_zero: bool = False
+    note: str = ""
+
+
+def _fp32_recipe(settings: Settings):
+    from .memory import recipe
+
+    return recipe("no")  # fp32 parameters, gradients and Adam states (autocast keeps fp32 weights)
+
+
+def _hf_zero_recipe(settings: Settings):
+    from .config import ZeroConfig
+    from .memory import recipe
+
+    return recipe(settings.mixed_precision, ZeroConfig().grad_accum_dtype)
+
+
+def _paper_comm(stage: int) -> Callable[[float, Settings], Dict[str, float]]:
+    def formula(psi: float, settings: Settings) -> Dict[str, float]:
+        from .memory import comm_elements_per_step
+
+        return comm_elements_per_step(psi, stage, settings.grad_accum)
+
+    return formula
+
+
+def _zero_redundancy_comm(psi: float, settings: Settings) -> Dict[str, float]:
+    return {"all_reduce": 2 * psi, "broadcast": psi}  # DDP's all-reduce, then every shard broadcast after the step
+
+
+def _hf_zero_spec(stage: int) -> SystemSpec:
+    return SystemSpec(build=lambda model, ctx: HfZeroTrainer(model, ctx, stage), state_stage=stage,
+                      recipe=_hf_zero_recipe, comm_formula=_paper_comm(stage), hf_zero=True)
+
+
+# Name -> system. The order is the run order; "ddp" first, it is the reference for the "x DDP" column.
+SYSTEMS: Dict[str, SystemSpec] = {
+    "ddp": SystemSpec(build=lambda model, ctx: DDPTrainer(model, ctx), state_stage=0, recipe=_fp32_recipe,
+                      comm_formula=_paper_comm(0)),
+    "fsdp2": SystemSpec(build=lambda model, ctx: FSDP2Trainer(model, ctx), state_stage=3, recipe=_fp32_recipe,
+                        comm_formula=_paper_comm(3)),
+    "zero_redundancy_optimizer": SystemSpec(
+        build=lambda model, ctx: ZeroRedundancyTrainer(model, ctx), state_stage=1, recipe=_fp32_recipe,
+        comm_formula=_zero_redundancy_comm, note="comm formula: DDP all-reduce 2Ψ + parameter broadcast Ψ"),
+    **{f"zero{k}": _hf_zero_spec(k) for k in range(4)},
+    # ---------------------------------------------------------------------------------------------------------
+    # PEERS TO ADD HERE (optional extras, never dependencies): DeepSpeed ZeRO-1/2/3 as "deepspeed_zero1".."3".
+    # A builder returns a Trainer (micro_step / optimizer_step / state_bytes / comm_elements); on CPU DeepSpeed
+    # needs DS_ACCELERATOR=cpu, deepspeed.init_distributed("gloo") and TORCH_EXTENSIONS_DIR set to a temp folder.
+    # ---------------------------------------------------------------------------------------------------------
+}
+
+
+# ====================================================================================================== worker
+@dataclass
+class WorkerContext:
+    rank: int
+    world_size: int
+    device: Any
+    settings: Settings
+    autocast: bool = True
+
+
+def _peak_bytes(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: kB
+
+
+def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from .memory import model_state_bytes
+
+    transformers.logging.set_verbosity_error()
+    s = ctx.settings
+    spec = SYSTEMS[system]
+    config = build_config(s.model_config)
+    torch.manual_seed(s.seed)  # every rank and every system starts from the same weights
+    model = AutoModelForCausalLM.from_config(config).to(ctx.device)
+    model.train()
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)  # distinct tensors: tied weights once
+    vocab = int(config.vocab_size)
+
+    gen = torch.Generator().manual_seed(s.seed * 1000 + ctx.rank)  # each rank its own slice of the data
+    n_micro = (s.warmup + s.steps) * s.grad_accum
+    data = torch.randint(0, vocab, (n_micro, s.batch_size, s.seq_len), generator=gen).to(ctx.device)
+
+    trainer = spec.build(model, ctx)
+
+    def sync() -> None:
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+
+    batch_iter = iter(data)
+    losses: List[float] = []
+
+    def one_step() -> None:
+        trainer.zero_grad()
+        loss = None
+        for i in range(s.grad_accum):
+            loss = trainer.micro_step(next(batch_iter), final=(i == s.grad_accum - 1))
+        trainer.optimizer_step()
+        losses.append(float(loss))
+
+    for _ in range(s.warmup):
+        one_step()
+    sync()
+    dist.barrier()
+    comm_before = trainer.comm_elements()
+    t0 = time.perf_counter()
+    for _ in range(s.steps):
+        one_step()
+    sync()
+    elapsed = time.perf_counter() - t0
+    comm_after = trainer.comm_elements()
+    comm = None
+    if comm_after is not None:
+        comm = {k: (v - (comm_before or {}).get(k, 0)) / s.steps for k, v in comm_after.items()}
+        comm = {k: v for k, v in comm.items() if v}
+
+    mine = {"elapsed": elapsed, "state_bytes": trainer.state_bytes(), "peak_bytes": _peak_bytes(ctx.device),
+            "comm": comm, "loss": losses[-1] if losses else float("nan")}
+    everyone: List[Dict[str, Any]] = [None] * ctx.world_size  # type: ignore[list-item]
+    dist.all_gather_object(everyone, mine)
+
+    recipe = spec.recipe(s)
+    comm_formula = spec.comm_formula(psi, s)
+    comm_measured = None
+    if all(r["comm"] is not None for r in everyone):
+        comm_measured = max(sum(r["comm"].values()) for r in everyone)
+        comm_by_kind = {k: max(r["comm"].get(k, 0) for r in everyone) for r in everyone for k in r["comm"]}
+    else:
+        comm_by_kind = None
+    elapsed_max = max(r["elapsed"] for r in everyone)
+    return {
+        "system": system,
+        "status": "ok",
+        "hf_zero": spec.hf_zero,
+        "psi": psi,
+        "world_size": ctx.world_size,
+        "elapsed_s": elapsed_max,
+        "tokens_per_s": s.tokens_per_step * s.steps / elapsed_max if elapsed_max > 0 else float("inf"),
+        "state_bytes_measured": max(r["state_bytes"] for r in everyone),
+        "state_bytes_formula": model_state_bytes(psi, ctx.world_size, spec.state_stage, recipe),
+        "state_formula": {"stage": spec.state_stage, "recipe": asdict(recipe)},
+        "peak_bytes": max(r["peak_bytes"] for r in everyone),
+        "peak_kind": "cuda_max_memory_allocated" if ctx.device.type == "cuda" else "VmHWM",
+        "comm_elements_measured": comm_measured,
+        "comm_elements_measured_by_kind": comm_by_kind,
+        "comm_elements_formula": sum(comm_formula.values()),
+        "comm_elements_formula_by_kind": comm_formula,
+        "loss_last_step": max(r["loss"] for r in everyone),
+        "note": spec.note,
+    }
+
+
+def _worker(rank: int, world_size: int, port: int, system: str, settings: Settings, out_dir: str) -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(settings.threads_per_rank)
+        import torch.distributed as dist
+
+        if torch.cuda.is_available():
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            backend = "nccl"
+        else:
+            device, backend = torch.device("cpu"), "gloo"
+        timeout = datetime.timedelta(seconds=settings.timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        ctx = WorkerContext(rank, world_size, device, settings)
+        result = _train(system, ctx)
+        if rank == 0:
+            path = os.path.join(out_dir, "result.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(result, f)
+            os.replace(path + ".tmp", path)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"error_rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)  # peers blocked in a collective with this rank fail on the closed connection
+
+
+# ====================================================================================================== parent
+def _first_error(out_dir: str, world_size: int) -> Optional[str]:
+    texts = {}
+    for r in range(world_size):
+        path = os.path.join(out_dir, f"error_rank{r}.txt")
+        if os.path.exists(path):
+            with open(path) as f:
+                texts[r] = f.read()
+    if not texts:
+        return None
+    # ranks that only lost their peer go last: the cause is elsewhere
+    order = sorted(texts, key=lambda r: ("by peer" in texts[r] or "Connection reset" in texts[r], r))
+    return f"rank {order[0]}: " + texts[order[0]].strip()
+
+
+def _summary(error: str) -> str:
+    """The last line of a traceback (the exception), for the table's status column."""
+    lines = [ln for ln in error.strip().splitlines() if ln.strip()]
+    last = lines[-1].strip() if lines else error
+    rank = error.split(":", 1)[0] if error.startswith("rank ") else ""
+    text = f"{rank}: {last}" if rank else last
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def run_system(system: str, settings: Settings) -> Dict[str, Any]:
+    """Spawn `settings.num_processes` workers for one system and return rank 0's row (or an error row)."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    world = settings.num_processes
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=settings.timeout_s))
+    ctx = mp.get_context("spawn")
+    out_dir = tempfile.mkdtemp(prefix=f"hfz_bench_{system}_")
+    old_omp = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(settings.threads_per_rank)  # inherited by the children
+    procs = []
+    try:
+        for rank in range(world):
+            p = ctx.Process(target=_worker, args=(rank, world, store.port, system, settings, out_dir), daemon=True)
+            p.start()
+            procs.append(p)
+    finally:
+        if old_omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old_omp
+
+    start = time.monotonic()
+    first_failure: Optional[float] = None
+    timed_out = False
+    while any(p.is_alive() for p in procs):
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=1.0)
+        now = time.monotonic()
+        if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
+            first_failure = now
+        if first_failure is not None and now - first_failure > ERROR_GRACE_S:
+            break
+        if now - start > settings.timeout_s:
+            timed_out = True
+            break
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    del store
+
+    result_path = os.path.join(out_dir, "result.json")
+    error = _first_error(out_dir, world)
+    row: Dict[str, Any]
+    if error is None and os.path.exists(result_path):
+        with open(result_path) as f:
+            row = json.load(f)
+    else:
+        if error is None:
+            codes = [p.exitcode for p in procs]
+            error = (f"timed out after {settings.timeout_s:.0f}s" if timed_out
+                     else f"no result; worker exit codes {codes}")
+        row = {"system": system, "status": "error: " + _summary(error), "error": error,
+               "hf_zero": SYSTEMS[system].hf_zero}
+    for name in os.listdir(out_dir):
+        os.remove(os.path.join(out_dir, name))
+    os.rmdir(out_dir)
+    return row
+
+
+# ====================================================================================================== report
+def _fmt_mib(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x / 2**20:,.2f}"
+
+
+def _fmt_count(x: Optional[float]) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
+
+
+def format_table(rows: List[Dict[str, Any]]) -> str:
+    header = ["system", "tokens/s", "x DDP", "state MiB/rank measured", "state MiB/rank formula", "peak MiB/rank",
+              "comm elems/step measured", "comm elems/step formula", "status"]
+    body = []
+    for r in rows:
+        ok = r.get("status") == "ok"
+        ratio = r.get("x_ddp")
+        body.append([
+            r["system"],
+            f"{r['tokens_per_s']:,.1f}" if ok else "-",
+            f"{ratio:.3f}" if ratio is not None else "n/a",
+            _fmt_mib(r.get("state_bytes_measured")) if ok else "-",
+            _fmt_mib(r.get("state_bytes_formula")) if ok else "-",
+            _fmt_mib(r.get("peak_bytes")) if ok else "-",
+            _fmt_count(r.get("comm_elements_measured")) if ok else "-",
+            _fmt_count(r.get("comm_elements_formula")) if ok else "-",
+            r.get("status", ""),
+        ])
+    widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
+    left = {0, len(header) - 1}
+
+    def line(cells: List[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+# ====================================================================================================== CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                       help="model shapes: gpt2 = GPT-2 small (124M), tiny = a ~141K-parameter GPT-2 (default: gpt2)")
+    model.add_argument("--config", default=None, metavar="PATH",
+                       help="a Transformers config.json (with model_type) to build the causal LM from")
+    parser.add_argument("--systems", default="all",
+                        help=f"comma-separated systems or 'all' (default); known: {', '.join(SYSTEMS)}")
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first (default 1)")
+    parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank per micro-batch (default 2)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    parser.add_argument("--mixed-precision", choices=("no", "bf16"), default="no",
+                        help="no: fp32 everywhere; bf16: bf16 compute with fp32 master weights and AdamW states")
+    parser.add_argument("--num-processes", type=int, default=2, help="world size (default 2)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the random tokens")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                        help=f"seconds one system may take before it is killed (default {DEFAULT_TIMEOUT_S})")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="write one JSON line with every row and the settings to PATH ('-' for stdout; the table "
+                             "then goes to stderr)")
+
+
+def _parse_systems(text: str) -> List[str]:
+    if text.strip().lower() == "all":
+        return list(SYSTEMS)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+    if not names:
+        raise ValueError("--systems is empty")
+    seen: List[str] = []
+    for n in names:
+        if n not in seen:
+            seen.append(n)
+    return seen
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        systems = _parse_systems(args.systems)
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "num_processes"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if args.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+        if args.preset is None and args.config is None:
+            args.preset = "gpt2"
+        model_config, model_name = _load_model_config(args)
+        max_pos = _max_positions(build_config(model_config))
+        if max_pos is not None and args.seq_len > max_pos:
+            raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {max_pos} positions")
+    except (ValueError, OSError) as exc:
+        print(f"hf-zero bench: error: {exc}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    world = args.num_processes
+    if torch.cuda.is_available() and torch.cuda.device_count() < world:
+        print(f"hf-zero bench: error: {world} processes but {torch.cuda.device_count()} GPUs", file=sys.stderr)
+        return 2
+    settings = Settings(
+        model_config=model_config, model_name=model_name, steps=args.steps, warmup=args.warmup,
+        batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
+        mixed_precision=args.mixed_precision, num_processes=world, lr=args.lr, seed=args.seed,
+        timeout_s=args.timeout, threads_per_rank=max(1, _cpu_count() // world),
+    )
+    _log(f"model {model_name}, world {world} ({'nccl' if torch.cuda.is_available() else 'gloo'}), "
+         f"batch {settings.batch_size} x seq {settings.seq_len} x accum {settings.grad_accum} per rank, "
+         f"{settings.warmup} warmup + {settings.steps} timed steps, mixed precision {settings.mixed_precision}, "
+         f"{settings.threads_per_rank} threads per rank")
+
+    rows: List[Dict[str, Any]] = []
+    for i, system in enumerate(systems):
+        _log(f"[{i + 1}/{len(systems)}] {system} ...")
+        t0 = time.monotonic()
+        row = run_system(system, settings)
+        row["wall_s"] = time.monotonic() - t0
+        if row["status"] == "ok":
+            _log(f"[{i + 1}/{len(systems)}] {system}: {row['tokens_per_s']:,.1f} tokens/s "
+                 f"({row['wall_s']:.0f}s including start-up)")
+        else:
+            _log(f"[{i + 1}/{len(systems)}] {system} FAILED:\n{row.get('error', row['status'])}")
+        rows.append(row)
+
+    ddp = next((r for r in rows if r["system"] == "ddp" and r["status"] == "ok"), None)
+    for r in rows:
+        ok = r["status"] == "ok" and ddp is not None and ddp["tokens_per_s"] > 0
+        r["x_ddp"] = r["tokens_per_s"] / ddp["tokens_per_s"] if ok else None
+
+    table = format_table(rows)
+    to_stdout = args.json != "-"
+    print(table, file=sys.stdout if to_stdout else sys.stderr, flush=True)
+
+    if args.json:
+        payload = {"settings": {**asdict(settings), "systems": systems, "tokens_per_step": settings.tokens_per_step,
+                                "backend": "nccl" if torch.cuda.is_available() else "gloo",
+                                "torch": torch.__version__},
+                   "rows": [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+                            for r in rows]}
+        text = json.dumps(payload)
+        if args.json == "-":
+            print(text, flush=True)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+
+    failed_hf_zero = [r["system"] for r in rows if r["status"] != "ok" and r.get("hf_zero")]
+    if failed_hf_zero:
+        _log(f"hf_zero system(s) failed: {', '.join(failed_hf_zero)}")
+        return 1
+    return 0

@@ -1,0 +1,189 @@
+"""HfZeroAccelerator: Accelerate's Accelerator with model and optimizer preparation replaced by ZeRO sharding.
+
+A training script changes one import (`from hf_zero import HfZeroAccelerator as Accelerator`) and nothing else:
+`prepare` shards the model in place (no wrapper: `unwrap_model` and `save_pretrained` keep seeing the HF model)
+and returns the ZeRO optimizer; `backward`, `no_sync`/`accumulate`, `clip_grad_norm_`, `get_state_dict`,
+`save_model` and `free_memory` go through the engine. Mixed precision is the engine's (bf16/fp16 compute copies
+with fp32 master weights), so Accelerate itself runs with mixed_precision="no" (no autocast, no GradScaler).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from torch import nn
+
+from ..engine import ZeroEngine, shard_model
+from .plugin import ZeroPlugin
+
+logger = logging.getLogger("hf_zero")
+
+
+def _launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class HfZeroAccelerator(Accelerator):
+    """Accelerator whose `prepare` shards model and optimizer with ZeRO.
+
+    Args:
+        zero_plugin: the ZeRO settings; default: read `hf_zero.yaml` ($HF_ZERO_CONFIG_FILE, else beside
+            Accelerate's default config; defaults when there is none).
+        **kwargs: everything Accelerator takes (gradient_accumulation_steps, mixed_precision, log_with, ...).
+    """
+
+    def __init__(self, *args: Any, zero_plugin: Optional[ZeroPlugin] = None, **kwargs: Any) -> None:
+        self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin.from_env()
+        mixed_precision = kwargs.pop("mixed_precision", None) or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        mixed_precision = str(mixed_precision).lower()
+        if mixed_precision not in ("no", "fp32", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision={mixed_precision!r}: hf_zero supports 'no', 'bf16' and 'fp16'")
+        for backend in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+            if os.environ.get(backend, "false").lower() in ("1", "true"):
+                raise RuntimeError(
+                    f"{backend} is set: the Accelerate config selects DeepSpeed/FSDP, which hf_zero replaces. Write "
+                    f"the config with `hf-zero config` (distributed_type MULTI_GPU, or MULTI_GPU with use_cpu on CPU)"
+                )
+        # A distributed launch on a machine with no GPU must become a gloo world, not N one-process runs.
+        if _launched_world_size() > 1 and not torch.cuda.is_available():
+            kwargs.setdefault("cpu", True)
+        super().__init__(*args, mixed_precision="no", **kwargs)
+        if self.num_processes != _launched_world_size():
+            raise RuntimeError(
+                f"WORLD_SIZE={_launched_world_size()} processes were launched but Accelerate built a state with "
+                f"{self.num_processes}; on CPU launch with `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu "
+                f"--num_processes N` (or torchrun)"
+            )
+        if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+            raise RuntimeError(f"distributed_type {self.distributed_type} conflicts with hf_zero; use MULTI_GPU/CPU")
+        self.zero_config = self.zero_plugin.to_zero_config(mixed_precision)
+        self.zero_engines: List[ZeroEngine] = []
+        self._pending_model: Optional[nn.Module] = None
+        if self.is_main_process:
+            logger.info("hf_zero: %s, mixed precision %s, %d processes (%s)", self.zero_plugin, mixed_precision,
+                        self.num_processes, self.distributed_type)
+
+    # ---------------------------------------------------------------- engine lookup
+    @property
+    def zero_engine(self) -> ZeroEngine:
+        """The engine of the (single) prepared model."""
+        if not self.zero_engines:
+            raise RuntimeError("no model has been prepared with an optimizer yet: call accelerator.prepare(model, "
+                               "optimizer, ...) first")
+        return self.zero_engines[0]
+
+    def _engine_of(self, model: nn.Module) -> Optional[ZeroEngine]:
+        model = self.unwrap_model(model)
+        return next((e for e in self.zero_engines if e.model is model), None)
+
+    def _shard(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> ZeroEngine:
+        if self.zero_engines:
+            raise RuntimeError("HfZeroAccelerator shards one model per Accelerator (as DeepSpeed does)")
+        if self.zero_plugin.activation_checkpointing != "off" or self.zero_plugin.cpu_checkpointing:
+            from ..activations import enable_activation_checkpointing
+
+            enable_activation_checkpointing(model, self.zero_plugin.activation_checkpointing,
+                                            self.zero_plugin.cpu_checkpointing)
+        engine = shard_model(model, optimizer, self.zero_config, device=self.device)
+        self.zero_engines.append(engine)
+        return engine
+
+    # ---------------------------------------------------------------- prepare
+    def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None) -> Any:
+        """Shard the model with its optimizer first (whatever the argument order), then let Accelerate prepare the
+        rest (data loaders, the ZeRO optimizer's wrapper, schedulers re-pointed at the ZeRO optimizer)."""
+        models = [a for a in args if isinstance(a, nn.Module) and self._engine_of(a) is None]
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)
+                      and not getattr(a, "_is_accelerate_prepared", False)]
+        replaced: Dict[int, Any] = {}
+        if len(models) == 1 and len(optimizers) == 1:
+            engine = self._shard(models[0], optimizers[0])
+            replaced[id(optimizers[0])] = engine.optimizer
+            self._repoint_schedulers(args, optimizers[0], engine.optimizer)
+        elif len(models) > 1 or len(optimizers) > 1:
+            raise ValueError("HfZeroAccelerator.prepare takes one model and its optimizer")
+        new_args = [replaced.get(id(a), a) for a in args]
+        return super().prepare(*new_args, device_placement=device_placement)
+
+    @staticmethod
+    def _repoint_schedulers(args: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+        for a in args:
+            if isinstance(a, torch.optim.lr_scheduler.LRScheduler) and a.optimizer is old:
+                a.optimizer = new
+
+    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """A sharded model is returned as is (no DDP wrapper); an unsharded one waits for its optimizer."""
+        if self._engine_of(model) is not None:
+            if model not in self._models:
+                self._models.append(model)
+            return model
+        if evaluation_mode:
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        self._pending_model = model
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None):
+        if not getattr(optimizer, "_is_accelerate_prepared", False) and not isinstance(optimizer, _zero_opt_type()):
+            if self._pending_model is None:
+                raise ValueError("prepare the model before (or together with) its optimizer")
+            engine = self._shard(self._pending_model, optimizer)
+            self._models.append(self._pending_model)
+            self._pending_model = None
+            optimizer = engine.optimizer
+        return super().prepare_optimizer(optimizer, device_placement=False)
+
+    # ---------------------------------------------------------------- training
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """loss / gradient_accumulation_steps, with the fp16 loss scale; gradients go to the engine's hooks."""
+        loss = loss / self.gradient_accumulation_steps
+        if self.zero_engines:
+            self.zero_engine.backward(loss)
+        else:
+            loss.backward(**kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Stage 0/1: accumulate locally; stages 2/3 still reduce-scatter each micro-batch (bounded memory)."""
+        engine = self._engine_of(model)
+        with engine.no_sync() if engine is not None else contextlib.nullcontext():
+            yield
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """Clip over every rank's shard and return the global norm (max_norm=inf only measures)."""
+        if not self.zero_engines:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        return self.zero_engine.clip_grad_norm_(max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        raise NotImplementedError("clip_grad_value_ on sharded gradients is not supported; use clip_grad_norm_")
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """The engine unscales fp16 gradients itself before the norm and the step."""
+        return None
+
+    # ---------------------------------------------------------------- weights
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
+        """Collective: the full weights (fp32 masters) on the main process, {} elsewhere."""
+        engine = self._engine_of(model)
+        if engine is None:
+            return super().get_state_dict(model, unwrap=unwrap)
+        return engine.full_state_dict()
+
+    def free_memory(self, *objects: Any) -> Any:
+        for engine in self.zero_engines:
+            engine.close()
+        self.zero_engines.clear()
+        self._pending_model = None
+        return super().free_memory(*objects)
+
+
+def _zero_opt_type():
+    from ..optimizer import ZeroOptimizer
+
+    return ZeroOptimizer
