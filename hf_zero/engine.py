@@ -42,6 +42,8 @@ class ZeroEngine:
         self.model = model
         self.comm = Comm(process_group, debug=config.debug_collectives)
         self.device = torch.device(device) if device is not None else _default_device(model, process_group)
+        if self.device.type == "cpu":
+            self.device = torch.device("cpu")  # Accelerate says "cpu:0"; CPU tensors report "cpu"
         self._check_optimizer(model, optimizer)
         self.plan: ShardPlan = plan_model(model, self.comm.world_size, config)
         self.pool = BufferPool()

@@ -81,6 +81,10 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
     init_fp = models.param_fingerprint(model)
     if checkpointing:
         models.enable_checkpointing(model)
+    layer_calls = [0]  # decoder-layer forward calls: 1 per micro-batch, 2 with activation checkpointing
+    units = models.unit_modules(model)
+    for unit in units:
+        unit.register_forward_pre_hook(lambda *_: layer_calls.__setitem__(0, layer_calls[0] + 1))
     opt = models.make_optimizer(model)
     kw = {} if bucket_size is None else {"reduce_bucket_size": bucket_size, "allgather_bucket_size": bucket_size}
     cfg = ZeroConfig(stage=stage, mixed_precision=mixed_precision, grad_accum_dtype=grad_accum_dtype, **kw)
@@ -107,6 +111,7 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
         engine.optimizer.zero_grad()
         out["comm"].append(copy.deepcopy(engine.comm_stats()))
         out["losses"].append(total / accum)
+    out["layer_calls_per_micro_batch"] = layer_calls[0] / (steps * accum * len(units))
     sd = engine.full_state_dict()
     if rank == 0:
         out["state"] = _detach_state(sd)

@@ -102,12 +102,15 @@ def test_reference_is_sensitive():
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_full_training_matches_reference(dist_results, world_size, kind, stage):
     ranks = dist_results(world_size, f"{kind}-full-s{stage}")
+    assert [res["layer_calls_per_micro_batch"] for res in ranks] == [1.0] * world_size
     check_against_reference(ranks, reference_train(kind, "full", STEPS, ACCUM), world_size)
 
 
 @pytest.mark.parametrize("kind", models.KINDS)
 def test_stage3_activation_checkpointing_matches_reference(dist_results, kind):
     ranks = dist_results(EXTRA_WORLD, f"{kind}-full-s3-ckpt")
+    calls = [res["layer_calls_per_micro_batch"] for res in ranks]
+    assert calls == [2.0] * EXTRA_WORLD, f"decoder layers ran {calls} times per micro-batch: no recomputation"
     check_against_reference(ranks, reference_train(kind, "full", STEPS, ACCUM), EXTRA_WORLD)
 
 
