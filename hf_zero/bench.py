@@ -110,7 +110,6 @@ def _max_positions(config) -> Optional[int]:
 class Trainer:
     """One system's training loop pieces on one rank."""
 
-    #: how the paper counts this system: model-state formula stage and recipe, communication formula
     def micro_step(self, input_ids, final: bool):
         """Forward and backward of one micro-batch (gradient sync only when `final`); returns the detached loss."""
         raise NotImplementedError
@@ -508,6 +507,11 @@ def _worker(rank: int, world_size: int, port: int, system: str, settings: Settin
             f.write(traceback.format_exc())
         sys.stderr.flush()
         os._exit(1)  # peers blocked in a collective with this rank fail on the closed connection
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: destroying the process group's and the store's C++ threads at exit sometimes
+    # aborts ("terminate called without an active exception") after the work is done.
+    os._exit(0)
 
 
 # ====================================================================================================== parent

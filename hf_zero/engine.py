@@ -118,7 +118,9 @@ class ZeroEngine:
             for p, s in zip(members, gp.slots):
                 full[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
             self.comm.broadcast(full, tag=f"initial values of group {gp.index}")  # every rank starts equal
-            accum = torch.float32 if (cfg.grad_accum_dtype == "fp32" and gp.dtype.is_floating_point) else gp.dtype
+            # fp32 accumulation lifts low-precision gradients; fp32/fp64 parameters accumulate in their own dtype
+            low = gp.dtype.is_floating_point and torch.finfo(gp.dtype).bits < 32
+            accum = torch.float32 if (cfg.grad_accum_dtype == "fp32" and low) else gp.dtype
             groups.append(FlatGroup(gp, members, cfg.stage, rank, self.device, master_dtype, master_device, accum,
                                     full, shard_device))
             del full
@@ -244,6 +246,19 @@ class ZeroEngine:
 
     def _trainable(self) -> List[FlatGroup]:
         return [g for g in self.groups if g.plan.trainable]
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: str, step: Optional[int] = None):
+        """Collective: this rank's shards + a manifest into `directory` (atomic; no pickle)."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, directory, step)
+
+    def load_checkpoint(self, directory: str) -> Dict:
+        """Collective: restore a checkpoint saved at any world size or stage. Returns its manifest."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, directory)
 
     # ------------------------------------------------------------------ introspection
     def comm_stats(self) -> Dict[str, Dict[str, int]]:

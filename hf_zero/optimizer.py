@@ -7,12 +7,13 @@ Only element-wise optimizers give the same update on a segment as on the whole t
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, List, Optional, TYPE_CHECKING
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from .planning import iter_owned_segments
+from .buffers import FlatGroup
+from .planning import Slot, iter_owned_segments
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
@@ -65,6 +66,16 @@ def _constructor_kwargs(cls: type, defaults: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in defaults.items() if k in accepted}
 
 
+class Segment(NamedTuple):
+    """One parameter ∩ the rank's owned range: a 1-D view of the master shard."""
+
+    tensor: torch.Tensor
+    group: FlatGroup
+    start: int  # shard-local [start, end)
+    end: int
+    slot: Slot
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """torch.optim.Optimizer API over the rank's shard: `step`, `zero_grad`, `param_groups`, `state_dict`.
 
@@ -82,7 +93,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 group_of[id(p)] = gi
         segments: List[List[torch.Tensor]] = [[] for _ in user_optimizer.param_groups]
-        self._grad_links: List[tuple] = []  # (segment, flat group, start, end) to attach gradients
+        self.segments: List[Segment] = []
         for fg in engine.groups:
             if not fg.plan.trainable:
                 continue
@@ -93,7 +104,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     continue  # trainable but not optimised: its gradient is reduced and ignored, as in DDP
                 seg = fg.master[a:b]
                 segments[gi].append(seg)
-                self._grad_links.append((seg, fg, a, b))
+                self.segments.append(Segment(seg, fg, a, b, slot))
         inner_groups = []
         for gi, group in enumerate(user_optimizer.param_groups):
             hp = {k: v for k, v in group.items() if k != "params"}
@@ -117,7 +128,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _attach_grads(self) -> None:
         """Point each segment's .grad at the owned gradient range (in the master dtype and device)."""
         cache: Dict[int, torch.Tensor] = {}
-        for seg, fg, a, b in self._grad_links:
+        for seg, fg, a, b, _ in self.segments:
             grad = cache.get(id(fg))
             if grad is None:
                 grad = fg.grad_shard
@@ -135,8 +146,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.engine.prepare_grads():
             self._attach_grads()
             self.inner.step()
-            for seg, *_ in self._grad_links:
-                seg.grad = None
+            for seg in self.segments:
+                seg.tensor.grad = None
             self.engine.after_step()
         else:
             self.engine.skip_step()
