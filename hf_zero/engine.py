@@ -5,8 +5,10 @@ torch.distributed only; the Accelerate and Transformers integrations sit on top 
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import weakref
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -69,8 +71,24 @@ class ZeroEngine:
         self._allow_state_dict = False
         self.optimizer = ZeroOptimizer(self, optimizer)
         self.comm.reset_stats()  # the start-up broadcast is not training traffic
+        # A collective still in flight when the interpreter exits aborts the process (gloo's worker thread):
+        # wait for them at exit.
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref()._drain())
         if self.comm.rank == 0:
             self._log_plan()
+
+    def _drain(self) -> None:
+        for h in self.reducer.inflight:
+            h.wait()
+        self.reducer.inflight.clear()
+        for st in self.reducer.states:
+            if st.handle is not None:
+                st.handle.wait()
+        if self.gatherer is not None:
+            for unit in self.gatherer.units:
+                for h in unit.handles:
+                    h.wait()
 
     def close(self) -> None:
         """Remove the engine's hooks (the model keeps its current, possibly sharded, storage)."""

@@ -75,6 +75,13 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str, scenarios
 def _spawn_once(world_size: int, scenarios: List[Tuple[int, Scenario]]) -> Dict[int, Dict[int, Tuple[str, Any]]]:
     """One spawn over `scenarios`; returns {scenario index: {rank: ("ok", result) | ("err", text)}}."""
     tmp = tempfile.mkdtemp(prefix="hfz_dist_")
+    try:
+        return _spawn_in(tmp, world_size, scenarios)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _spawn_in(tmp: str, world_size: int, scenarios: List[Tuple[int, Scenario]]):
     store_path = os.path.join(tmp, "store")
     ctx = mp.get_context("spawn")
     old_omp = os.environ.get("OMP_NUM_THREADS")
@@ -85,6 +92,10 @@ def _spawn_once(world_size: int, scenarios: List[Tuple[int, Scenario]]) -> Dict[
             p = ctx.Process(target=_worker, args=(rank, world_size, store_path, tmp, scenarios), daemon=True)
             p.start()
             procs.append(p)
+    except BaseException:
+        for p in procs:  # do not leave the started ranks waiting for the missing ones
+            p.kill()
+        raise
     finally:
         if old_omp is None:
             os.environ.pop("OMP_NUM_THREADS", None)
@@ -134,7 +145,6 @@ def _spawn_once(world_size: int, scenarios: List[Tuple[int, Scenario]]) -> Dict[
                     f"no result; process exit code {p.exitcode}")
                 got[rank] = ("err", why)
         break
-    shutil.rmtree(tmp, ignore_errors=True)
     return results
 
 

@@ -81,10 +81,13 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
     init_fp = models.param_fingerprint(model)
     if checkpointing:
         models.enable_checkpointing(model)
-    layer_calls = [0]  # decoder-layer forward calls: 1 per micro-batch, 2 with activation checkpointing
+    # Calls of a module inside each decoder layer: 1 per micro-batch, 2 with activation checkpointing (the backward
+    # recomputes the layer's forward; transformers checkpoints `forward`, so the layer's own hooks run only once).
+    layer_calls = [0]
     units = models.unit_modules(model)
     for unit in units:
-        unit.register_forward_pre_hook(lambda *_: layer_calls.__setitem__(0, layer_calls[0] + 1))
+        inner = next(m for m in unit.children() if any(True for _ in m.parameters()))
+        inner.register_forward_pre_hook(lambda *_: layer_calls.__setitem__(0, layer_calls[0] + 1))
     opt = models.make_optimizer(model)
     kw = {} if bucket_size is None else {"reduce_bucket_size": bucket_size, "allgather_bucket_size": bucket_size}
     cfg = ZeroConfig(stage=stage, mixed_precision=mixed_precision, grad_accum_dtype=grad_accum_dtype, **kw)
@@ -142,8 +145,9 @@ _ATOMS = (str, bytes, int, float, complex, bool, type(None), type, torch.dtype, 
           types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.CodeType)
 
 
-def _reachable_tensors(root: Any, limit: int = 200_000) -> List[torch.Tensor]:
-    """Every tensor reachable from `root` through attributes, dicts, lists, tuples and sets (plus .grad)."""
+def _reachable_tensors(root: Any, limit: int = 200_000):
+    """Every tensor reachable from `root` through attributes, dicts, lists, tuples and sets (plus .grad).
+    Returns (tensors, complete): complete is False if the walk stopped at `limit` objects."""
     found, seen, stack = [], set(), [root]
     while stack and len(seen) < limit:
         obj = stack.pop()
@@ -167,7 +171,7 @@ def _reachable_tensors(root: Any, limit: int = 200_000) -> List[torch.Tensor]:
             for slot in getattr(type(obj), "__slots__", ()) or ():
                 if isinstance(slot, str) and hasattr(obj, slot):
                     stack.append(getattr(obj, slot))
-    return found
+    return found, not stack
 
 
 def held_tensor_bytes(engine) -> Dict[str, int]:
@@ -183,10 +187,9 @@ def held_tensor_bytes(engine) -> Dict[str, int]:
         core += list(g["params"]) + [p.grad for p in g["params"]]
     for st in opt.state.values():
         core += [v for v in st.values() if isinstance(v, torch.Tensor)]
-    buffers = _tensor_bytes(model.buffers())
-    return {"core_bytes": _tensor_bytes(core), "reachable_bytes": _tensor_bytes(_reachable_tensors(engine)),
-            "model_buffer_bytes": buffers,
-            "model_buffer_bytes_nodedup": sum(b.numel() * b.element_size() for b in model.buffers())}
+    reachable, complete = _reachable_tensors(engine)
+    return {"core_bytes": _tensor_bytes(core), "reachable_bytes": _tensor_bytes(reachable), "walk_complete": complete,
+            "model_buffer_bytes": _tensor_bytes(model.buffers())}
 
 
 # ------------------------------------------------------------------------------------------------------ comparisons

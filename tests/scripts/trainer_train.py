@@ -1,0 +1,44 @@
+"""Train a tiny causal LM with the stock Trainer (--backend ddp) or ZeroTrainer (--backend zero)."""
+import argparse
+import json
+import os
+
+import torch
+from datasets import Dataset
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, GPT2Config, Trainer, TrainingArguments
+
+p = argparse.ArgumentParser()
+p.add_argument("--backend", choices=["ddp", "zero"], required=True)
+p.add_argument("--stage", type=int, default=2)
+p.add_argument("--out", required=True)
+p.add_argument("--max-steps", type=int, default=4)
+p.add_argument("--resume", default=None)
+args = p.parse_args()
+
+torch.manual_seed(0)
+cfg = GPT2Config(vocab_size=101, n_embd=32, n_layer=2, n_head=2, n_positions=32,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+model = AutoModelForCausalLM.from_config(cfg)
+g = torch.Generator().manual_seed(1)
+ids = torch.randint(0, 101, (64, 16), generator=g)
+ds = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+targs = TrainingArguments(
+    output_dir=args.out, max_steps=args.max_steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+    max_grad_norm=1.0, learning_rate=3e-3, adam_epsilon=1e-6, weight_decay=0.1, lr_scheduler_type="cosine",
+    warmup_steps=1, logging_steps=1, save_steps=2, save_total_limit=3, report_to=[], seed=0, use_cpu=True,
+    dataloader_drop_last=True, disable_tqdm=True,
+)
+if args.backend == "zero":
+    from hf_zero import ZeroPlugin, ZeroTrainer
+
+    trainer = ZeroTrainer(model=model, args=targs, train_dataset=ds, zero_plugin=ZeroPlugin(stage=args.stage))
+else:
+    trainer = Trainer(model=model, args=targs, train_dataset=ds)
+trainer.train(resume_from_checkpoint=args.resume)
+trainer.save_model(os.path.join(args.out, "final"))
+if trainer.args.should_save:
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    with open(os.path.join(args.out, "log.json"), "w") as f:
+        json.dump({"losses": losses, "norms": norms, "world": trainer.args.world_size}, f)
