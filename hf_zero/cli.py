@@ -13,11 +13,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .bench import add_arguments as add_bench_arguments
 
     add_bench_arguments(bench)
+    config = sub.add_parser("config", help="write the Accelerate config and hf_zero.yaml (or --show them)")
+    from .integrations.config_cli import add_arguments as add_config_arguments
+
+    add_config_arguments(config)
     args = parser.parse_args(argv)
     if args.command == "bench":
         from .bench import run
 
         return run(args)
+    if args.command == "config":
+        from .integrations.config_cli import run as run_config
+
+        return run_config(args)
     return 2
 
 

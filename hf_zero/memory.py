@@ -65,8 +65,12 @@ def paper_table(psi: float, n: int, k: int = 12) -> Dict[int, float]:
     return {stage: model_state_bytes(psi, n, stage, r) for stage in range(4)}
 
 
-def comm_elements_per_step(psi: float, stage: int, micro_batches: int = 1) -> Dict[str, float]:
-    """Elements each rank sends per optimizer step (paper counting: all-gather / reduce-scatter Ψ, all-reduce 2Ψ)."""
+def comm_elements_per_step(psi: float, stage: int, micro_batches: int = 1, resident: float = 0) -> Dict[str, float]:
+    """Elements each rank sends per optimizer step (paper counting: all-gather / reduce-scatter Ψ, all-reduce 2Ψ).
+
+    `resident`: stage-3 elements that stay gathered from forward to backward (hf_zero's root unit), which are
+    all-gathered once per micro-batch instead of twice: all-gather m(2Ψ - resident).
+    """
     m = micro_batches
     if stage == 0:
         return {"all_reduce": 2 * psi}
@@ -75,5 +79,5 @@ def comm_elements_per_step(psi: float, stage: int, micro_batches: int = 1) -> Di
     if stage == 2:
         return {"reduce_scatter": m * psi, "all_gather": psi}
     if stage == 3:
-        return {"reduce_scatter": m * psi, "all_gather": 2 * m * psi}
+        return {"reduce_scatter": m * psi, "all_gather": m * (2 * psi - resident)}
     raise ValueError(f"stage must be 0-3, got {stage}")

@@ -8,9 +8,11 @@ with fp32 master weights), so Accelerate itself runs with mixed_precision="no" (
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
+import weakref
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -62,6 +64,9 @@ class HfZeroAccelerator(Accelerator):
         if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
             raise RuntimeError(f"distributed_type {self.distributed_type} conflicts with hf_zero; use MULTI_GPU/CPU")
         self.zero_config = self.zero_plugin.to_zero_config(mixed_precision)
+        # gloo's worker threads abort the process ("terminate called without an active exception") when the
+        # interpreter exits with the process group alive, as scripts and the Trainer leave it: close it at exit.
+        atexit.register(_close_process_group, weakref.ref(self))
         self.zero_engines: List[ZeroEngine] = []
         self._pending_model: Optional[nn.Module] = None
         if self.is_main_process:
@@ -181,6 +186,15 @@ class HfZeroAccelerator(Accelerator):
         self.zero_engines.clear()
         self._pending_model = None
         return super().free_memory(*objects)
+
+
+def _close_process_group(ref: "weakref.ref[HfZeroAccelerator]") -> None:
+    accelerator = ref()
+    if accelerator is not None:
+        for engine in accelerator.zero_engines:
+            engine._drain()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _zero_opt_type():

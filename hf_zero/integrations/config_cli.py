@@ -1,0 +1,606 @@
+"""`hf-zero config`: Accelerate's own questionnaire, then the ZeRO questions; writes both config files.
+
+Two files, because Accelerate rejects unknown keys in its YAML (DESIGN.md section 4):
+
+* the Accelerate config (`--config-file`, default: Accelerate's default config file), written so that a plain
+  `accelerate launch [--config_file X] script.py` starts the stated number of processes as ONE world;
+* `hf_zero.yaml` (`--zero-config-file`, default: `default_config_path()`), written by `ZeroPlugin.to_yaml`.
+
+The CPU trap. In Accelerate 1.15 `distributed_type: MULTI_CPU` (what `accelerate config` writes for "multi-CPU")
+goes to the simple launcher, which starts ONE process unless mpirun is configured. A world of N gloo ranks on a
+machine without GPUs comes from the multi-GPU launcher (torchrun) instead: `distributed_type: MULTI_GPU`,
+`num_processes: N`, `use_cpu: true`. That launcher does not forward `use_cpu` to the ranks (no
+`ACCELERATE_USE_CPU`); `HfZeroAccelerator` selects the CPU itself when WORLD_SIZE > 1 and no GPU is visible, so the
+N ranks form one gloo world of size N. `hf-zero config` therefore writes MULTI_GPU + use_cpu for N > 1 CPU
+processes, turns a MULTI_CPU answer without mpirun into that, and says so; `hf-zero config --show` tells what
+`accelerate launch` will start from the files as they are.
+
+Everything heavy (Accelerate, torch) is imported inside the functions: `hf-zero bench` builds this parser too.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+STAGES = (0, 1, 2, 3)
+OFFLOAD = ("none", "cpu")
+CHECKPOINTING = ("off", "on", "partitioned")
+MIXED_PRECISION = ("no", "bf16", "fp16")
+
+# flags that describe the Accelerate side: given any of them (or --yes), Accelerate's questionnaire is skipped
+_ACCELERATE_FLAGS = ("num_processes", "mixed_precision", "cpu")
+# ZeRO flags: each one given answers its question
+_ZERO_FLAGS = ("stage", "offload_optimizer", "offload_params", "activation_checkpointing", "cpu_checkpointing",
+               "reduce_bucket_size", "allgather_bucket_size", "prefetch")
+
+
+class ConfigAbort(Exception):
+    """The session ends without writing anything (input ended, the user gave up)."""
+
+
+class ConfigUsageError(Exception):
+    """Flags that are each valid but do not fit together: reported like an argparse error (exit 2)."""
+
+
+# ---------------------------------------------------------------------------------------------------- parsing
+def _choice(allowed: Tuple[Any, ...], name: str, convert: Callable[[str], Any] = str) -> Callable[[str], Any]:
+    """argparse type / prompt parser: value in `allowed`, else an error that lists them."""
+    shown = ", ".join(str(a) for a in allowed)
+
+    def parse(text: str) -> Any:
+        raw = text.strip()
+        try:
+            value = convert(raw.lower() if convert is str else raw)
+        except (TypeError, ValueError):
+            value = None
+        if value not in allowed:
+            raise argparse.ArgumentTypeError(f"{name} must be one of {shown}; got {text!r}")
+        return value
+
+    return parse
+
+
+def _int_at_least(minimum: int, name: str, what: str) -> Callable[[str], int]:
+    """argparse type / prompt parser for integers >= minimum; accepts 25_000_000 and 2.5e7."""
+
+    def parse(text: str) -> int:
+        raw = text.strip().replace("_", "")
+        value: Optional[int]
+        try:
+            value = int(raw)
+        except ValueError:
+            try:
+                f = float(raw)
+                value = int(f) if f.is_integer() else None
+            except (ValueError, OverflowError):
+                value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be {what}; got {text!r}")
+        return value
+
+    return parse
+
+
+def _yes_no(name: str) -> Callable[[str], bool]:
+    def parse(text: str) -> bool:
+        value = {"yes": True, "y": True, "no": False, "n": False}.get(text.strip().lower())
+        if value is None:
+            raise argparse.ArgumentTypeError(f"{name}: answer yes or no; got {text!r}")
+        return value
+
+    return parse
+
+
+_parse_stage = _choice(STAGES, "stage", int)
+_parse_offload_optimizer = _choice(OFFLOAD, "offload optimizer")
+_parse_offload_params = _choice(OFFLOAD, "offload params")
+_parse_checkpointing = _choice(CHECKPOINTING, "activation checkpointing")
+_parse_mixed_precision = _choice(MIXED_PRECISION, "mixed precision")
+_parse_reduce = _int_at_least(1, "reduce bucket size", "a positive integer number of bytes (e.g. 25000000)")
+_parse_allgather = _int_at_least(1, "all-gather bucket size", "a positive integer number of bytes (e.g. 25000000)")
+_parse_prefetch = _int_at_least(0, "prefetch", "an integer >= 0 (stage-3 units gathered ahead)")
+_parse_num_processes = _int_at_least(1, "num processes", "an integer >= 1")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `hf-zero config` flags (each multi-word flag also answers to its underscore spelling)."""
+    parser.description = (
+        "Write the Accelerate config and hf_zero.yaml. Interactive: Accelerate's own questions, then the ZeRO ones. "
+        "Flags answer their questions; with --yes nothing is asked (unset values take their defaults). Given "
+        "--num-processes, --mixed-precision or --cpu, Accelerate's questions are skipped and its config is built "
+        "from those flags.")
+
+    def add(flag: str, **kwargs: Any) -> None:
+        names = [flag] + (["--" + flag[2:].replace("-", "_")] if "-" in flag[2:] else [])
+        parser.add_argument(*names, **kwargs)
+
+    add("--stage", type=_parse_stage, metavar="{0,1,2,3}", help="ZeRO stage (default 2)")
+    add("--offload-optimizer", type=_parse_offload_optimizer, metavar="{none,cpu}",
+        help="keep fp32 master shards and optimizer states in CPU memory")
+    add("--offload-params", type=_parse_offload_params, metavar="{none,cpu}", help="stage 3 only")
+    add("--activation-checkpointing", type=_parse_checkpointing, metavar="{off,on,partitioned}")
+    add("--cpu-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+        help="keep activation checkpoints in CPU memory")
+    add("--reduce-bucket-size", type=_parse_reduce, metavar="BYTES")
+    add("--allgather-bucket-size", type=_parse_allgather, metavar="BYTES")
+    add("--prefetch", type=_parse_prefetch, metavar="N", help="stage 3: units all-gathered ahead")
+    add("--num-processes", type=_parse_num_processes, metavar="N",
+        help="processes in the world (default: the GPU count, or 1 on CPU)")
+    add("--mixed-precision", type=_parse_mixed_precision, metavar="{no,bf16,fp16}")
+    add("--cpu", action=argparse.BooleanOptionalAction, default=None,
+        help="train on CPU (gloo); default: on when no GPU is visible")
+    parser.add_argument("--yes", "-y", action="store_true", help="ask nothing; unset values take their defaults")
+    add("--config-file", metavar="PATH", default=None,
+        help="the Accelerate config to write (default: Accelerate's default config file)")
+    add("--zero-config-file", metavar="PATH", default=None,
+        help="the hf_zero.yaml to write (default: $HF_ZERO_CONFIG_FILE, else beside Accelerate's default config)")
+    add("--show", action="store_true",
+        help="print both files, where they came from and what `accelerate launch` will start; write nothing")
+
+
+# ---------------------------------------------------------------------------------------------------- prompts
+def _ask(prompt: str, parse: Callable[[str], Any], default: Any) -> Any:
+    """Ask until the answer parses; an empty answer takes the default. Every rejection says what is allowed."""
+    while True:
+        try:
+            answer = input(prompt)
+        except EOFError:
+            print()
+            raise ConfigAbort("input ended before every question was answered; nothing was written") from None
+        if not answer.strip() and default is not None:
+            return default
+        try:
+            return parse(answer)
+        except argparse.ArgumentTypeError as exc:
+            print(f"  Not allowed: {exc}. Please answer again.")
+
+
+def _machine() -> Dict[str, Any]:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"cuda": cuda, "gpus": torch.cuda.device_count() if cuda else 0}
+
+
+def _ask_zero(args: argparse.Namespace, defaults: Dict[str, Any], interactive: bool) -> Dict[str, Any]:
+    """The ZeRO answers: flags first, then (interactive) a question per unset option, else the defaults."""
+    values = dict(defaults)
+    for name in _ZERO_FLAGS:
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    given = {n for n in _ZERO_FLAGS if getattr(args, n) is not None}
+
+    def q(name: str, prompt: str, parse: Callable[[str], Any], shown: Optional[str] = None) -> None:
+        if interactive and name not in given:
+            default = values[name]
+            values[name] = _ask(f"{prompt} [{shown if shown is not None else default}]: ", parse, default)
+
+    if interactive:
+        print("\n---- hf_zero (ZeRO) ----")
+    q("stage", "ZeRO stage: 0 plain data parallel, 1 + optimizer states, 2 + gradients, 3 + parameters (0/1/2/3)",
+      _parse_stage)
+    q("offload_optimizer", "Offload optimizer states and fp32 master weights to CPU memory? (none/cpu)",
+      _parse_offload_optimizer)
+    if values["stage"] == 3:
+        q("offload_params", "Offload parameter shards to CPU memory? (none/cpu)", _parse_offload_params)
+    elif "offload_params" not in given:
+        values["offload_params"] = "none"
+    q("activation_checkpointing", "Activation checkpointing? (off/on/partitioned)", _parse_checkpointing)
+    q("cpu_checkpointing", "Keep activation checkpoints in CPU memory (cpu checkpointing)? (yes/no)",
+      _yes_no("cpu checkpointing"), "yes" if values["cpu_checkpointing"] else "no")
+    q("reduce_bucket_size", "Reduce (gradient) bucket size in bytes", _parse_reduce)
+    q("allgather_bucket_size", "All-gather bucket size in bytes", _parse_allgather)
+    if values["stage"] == 3:
+        q("prefetch", "Prefetch: stage-3 units to all-gather ahead (integer >= 0)", _parse_prefetch)
+    return values
+
+
+# ---------------------------------------------------------------------------------------------------- Accelerate
+def _dt(config: Any) -> str:
+    value = config.distributed_type
+    return getattr(value, "value", str(value))
+
+
+def _cluster_config(num_processes: int, cpu: bool, mixed_precision: str) -> Any:
+    """The Accelerate config for a single machine (what its questionnaire would return for these answers)."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils import ComputeEnvironment, DistributedType
+
+    distributed = num_processes > 1
+    return ClusterConfig(
+        compute_environment=ComputeEnvironment.LOCAL_MACHINE,
+        # N > 1 on CPU too: MULTI_CPU would start ONE process (module docstring)
+        distributed_type=DistributedType.MULTI_GPU if distributed else DistributedType.NO,
+        num_processes=num_processes, machine_rank=0, num_machines=1, gpu_ids="all", mixed_precision=mixed_precision,
+        use_cpu=cpu, debug=False, rdzv_backend="static", same_network=True, main_training_function="main",
+        enable_cpu_affinity=False, downcast_bf16="no", tpu_use_cluster=False, tpu_use_sudo=False,
+    )
+
+
+def _ask_accelerate(zero_defaults: Dict[str, Any]) -> Any:
+    """Accelerate's own questionnaire (`get_cluster_input`, what `accelerate config` asks for "This machine"),
+    re-asked until the answers describe a setup hf_zero can run."""
+    from accelerate.commands.config.cluster import get_cluster_input
+    from accelerate.commands.menu import selection_menu
+
+    if not sys.stdin.isatty():
+        # Accelerate's arrow-key menus need a terminal; its own fallback (used on Colab) reads the choice's index
+        selection_menu.in_colab = True
+    print("---- Accelerate (its own questions) ----")
+    while True:
+        try:
+            config = get_cluster_input()
+        except (EOFError, KeyboardInterrupt):
+            raise
+        except AssertionError as exc:
+            if "DeepSpeed" in str(exc) or "deepspeed" in str(exc):
+                print(f"\n{exc}\nhf_zero replaces DeepSpeed (its ZeRO questions come next): answer `no` to "
+                      f"DeepSpeed and FSDP. Accelerate's questions again:")
+            else:
+                print(f"\nAccelerate rejected these answers: {exc}\nAccelerate's questions again:")
+            continue
+        except Exception as exc:  # ValueError (1 GPU for multi-GPU, ...), IndexError (menu index out of range)
+            print(f"\nAccelerate rejected these answers: {type(exc).__name__}: {exc}\nAccelerate's questions again:")
+            continue
+        config = _reconcile(config, zero_defaults)
+        if config is not None:
+            return config
+        print("\nAccelerate's questions again:")
+
+
+def _reconcile(config: Any, zero_defaults: Dict[str, Any]) -> Optional[Any]:
+    """Make the questionnaire's answer fit hf_zero; None: ask Accelerate's questions again."""
+    from accelerate.utils import DistributedType
+
+    dt = _dt(config)
+    if dt in ("DEEPSPEED", "FSDP", "MEGATRON_LM"):
+        name = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP", "MEGATRON_LM": "Megatron-LM"}[dt]
+        print(f"\nYou picked {name}. hf_zero replaces it: ZeRO shards optimizer states, gradients and parameters "
+              f"itself on top of plain data parallelism (Accelerate's MULTI_GPU launcher); with {name} selected, "
+              f"Accelerate would switch backends and HfZeroAccelerator refuses to start.")
+        switch = _ask("Use MULTI_GPU (plain data parallel) with hf_zero instead, keeping your other answers? "
+                      "(yes: switch, no: answer Accelerate's questions again) [yes]: ", _yes_no("switch"), True)
+        if not switch:
+            return None
+        ds = config.deepspeed_config or {}
+        if "zero_stage" in ds:
+            zero_defaults["stage"] = int(ds["zero_stage"])
+        for src, dst in (("offload_optimizer_device", "offload_optimizer"), ("offload_param_device", "offload_params")):
+            if ds.get(src) == "cpu":
+                zero_defaults[dst] = "cpu"
+        if config.num_processes is None or config.num_processes < 1:
+            config.num_processes = 1
+        config.distributed_type = (DistributedType.NO if config.num_processes == 1 and config.num_machines == 1
+                                   else DistributedType.MULTI_GPU)
+        config.deepspeed_config, config.fsdp_config, config.megatron_lm_config = {}, {}, {}
+        config.parallelism_config = {}
+        if config.gpu_ids is None:
+            config.gpu_ids = "all"
+        if config.mixed_precision is None:
+            config.mixed_precision = "no"
+        print(f"distributed_type set to {_dt(config)}.")
+    elif dt == "MULTI_CPU":
+        if (config.mpirun_config or {}).get("mpirun_hostfile"):
+            print("\nNote: MULTI_CPU with mpirun: accelerate launch starts the ranks through mpirun (not verified "
+                  "with hf_zero here).")
+        elif config.num_processes <= 1 and config.num_machines == 1:
+            config.distributed_type = DistributedType.NO
+            config.use_cpu = True
+            print("\nOne CPU process: distributed_type set to NO with use_cpu.")
+        else:
+            print(f"\nNote: Accelerate 1.15 starts ONE process for `distributed_type: MULTI_CPU` without mpirun, not "
+                  f"{config.num_processes}. Writing `distributed_type: MULTI_GPU` with `use_cpu: true` instead: "
+                  f"`accelerate launch` then starts {config.num_processes} processes (torchrun), and "
+                  f"HfZeroAccelerator makes them one gloo world on CPU.")
+            config.distributed_type = DistributedType.MULTI_GPU
+            config.use_cpu = True
+            config.gpu_ids = "all"
+            config.mpirun_config = {}
+    elif dt not in ("NO", "MULTI_GPU"):
+        print(f"\nNote: distributed_type {dt}: hf_zero is tested on CPU (gloo) and CUDA GPUs (nccl) only.")
+    if config.mixed_precision not in MIXED_PRECISION:
+        print(f"\nmixed_precision={config.mixed_precision!r}: hf_zero supports no, bf16 and fp16 (fp32 master "
+              f"weights inside the shards).")
+        config.mixed_precision = _ask("Mixed precision for hf_zero? (no/bf16/fp16) [no]: ", _parse_mixed_precision, "no")
+    return config
+
+
+def _accelerate_from_flags(args: argparse.Namespace, machine: Dict[str, Any]) -> Any:
+    cpu = args.cpu if args.cpu is not None else not machine["cuda"]
+    n = args.num_processes
+    if n is None:
+        n = machine["gpus"] if (machine["gpus"] and not cpu) else 1
+    return _cluster_config(n, cpu, args.mixed_precision or "no")
+
+
+# ---------------------------------------------------------------------------------------------------- launch plan
+def launch_plan(config_file: os.PathLike) -> Tuple[List[str], List[str]]:
+    """What `accelerate launch --config_file config_file script.py` starts on this machine: (facts, problems).
+
+    Uses Accelerate's own launch-argument resolution (`_validate_launch_command`), then its launcher choice."""
+    import logging
+
+    import torch
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    facts: List[str] = []
+    problems: List[str] = []
+    parser = launch_command_parser()
+    ns = parser.parse_args(["--config_file", str(config_file), "script.py"])
+    log = logging.getLogger("accelerate.commands.launch")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its "defaults were used" warnings are about flags we did not pass on purpose
+    try:
+        ns, defaults, _ = _validate_launch_command(ns)
+    finally:
+        log.setLevel(level)
+    n = int(ns.num_processes)
+    machines = int(ns.num_machines or 1)
+    cuda = torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if cuda else 0
+    per_node = n // machines if machines > 1 else n
+    where = f" on each of {machines} machines" if machines > 1 else ""
+    if ns.use_deepspeed and not ns.cpu:
+        facts.append(f"the DeepSpeed launcher with {n} processes")
+        problems.append("distributed_type DEEPSPEED: Accelerate switches to DeepSpeed and HfZeroAccelerator refuses "
+                        "to start; run `hf-zero config`")
+    elif (ns.use_fsdp or ns.use_megatron_lm or ns.multi_gpu) and not ns.cpu:
+        facts.append(f"{per_node} processes{where} (torchrun, Accelerate's multi-GPU launcher): one world of {n} ranks")
+        if ns.use_fsdp or ns.use_megatron_lm:
+            problems.append("FSDP / Megatron-LM selected: Accelerate switches backends and HfZeroAccelerator refuses "
+                            "to start; run `hf-zero config`")
+        if not cuda:
+            facts.append("no GPU is visible here: HfZeroAccelerator runs the ranks on CPU with gloo (a plain "
+                         "accelerate.Accelerator would see 1 process per rank: the launcher does not pass use_cpu on)")
+        elif getattr(ns, "use_cpu", False):
+            problems.append(f"use_cpu is set but this machine has {gpus} GPU(s): the multi-GPU launcher does not pass "
+                            f"use_cpu to the ranks, so they will use the GPUs. For CPU ranks launch with "
+                            f"ACCELERATE_USE_CPU=1 (or CUDA_VISIBLE_DEVICES=)")
+        else:
+            facts.append(f"the ranks use the GPUs (nccl); {gpus} visible")
+            if per_node > gpus:
+                problems.append(f"{per_node} processes per machine but only {gpus} GPU(s) visible here")
+    elif ns.tpu and not ns.cpu:
+        facts.append("the TPU launcher")
+        problems.append("TPU/XLA is not supported by hf_zero")
+    else:
+        hostfile = getattr(ns, "mpirun_hostfile", None)
+        if hostfile:
+            facts.append(f"{n} processes through mpirun (hostfile {hostfile})")
+        else:
+            facts.append("ONE process (Accelerate's simple launcher)")
+            if n > 1 or machines > 1:
+                problems.append(f"the config says num_processes={n} but `accelerate launch` starts ONE process "
+                                f"(distributed_type {_dt(defaults)} without mpirun). Rerun `hf-zero config`: it writes "
+                                f"MULTI_GPU with use_cpu, which starts {n} gloo ranks on CPU")
+        if cuda and not (getattr(ns, "use_cpu", False) or ns.cpu):
+            facts.append("on a GPU")
+        else:
+            facts.append("on CPU")
+    mp = ns.mixed_precision or "no"
+    facts.append(f"mixed precision {mp} (HfZeroAccelerator: {mp} compute, fp32 master weights)"
+                 if mp in ("bf16", "fp16") else f"mixed precision {mp}")
+    if mp not in MIXED_PRECISION:
+        problems.append(f"mixed_precision {mp!r}: hf_zero supports no, bf16 and fp16")
+    return facts, problems
+
+
+# ---------------------------------------------------------------------------------------------------- files
+def _accelerate_path(args: argparse.Namespace) -> Tuple[Path, str]:
+    if args.config_file:
+        return Path(args.config_file), "--config-file"
+    from accelerate.commands.config.config_args import default_config_file
+
+    return Path(default_config_file), "Accelerate's default config file"
+
+
+def _zero_path(args: argparse.Namespace) -> Tuple[Path, str]:
+    from .plugin import CONFIG_ENV, default_config_path
+
+    if args.zero_config_file:
+        return Path(args.zero_config_file), "--zero-config-file"
+    if os.environ.get(CONFIG_ENV):
+        return default_config_path(), f"${CONFIG_ENV}"
+    return default_config_path(), "default: beside Accelerate's default config"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        if path.exists():
+            mode = path.stat().st_mode & 0o777
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)  # mkstemp makes 0600; keep the old file's mode, else what open() would give
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _accelerate_text(config: Any, path: Path) -> str:
+    import yaml
+
+    data = copy.deepcopy(config).to_dict()  # to_dict converts enums in place: keep `config` intact
+    if path.suffix == ".json":
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+    return yaml.safe_dump(data)
+
+
+def _machine_notes(config: Any, machine: Dict[str, Any]) -> List[str]:
+    """Where the written Accelerate setup does not fit this machine."""
+    notes = []
+    dt, n = _dt(config), int(config.num_processes)
+    if dt == "MULTI_GPU" and machine["cuda"] and config.use_cpu:
+        notes.append(f"this machine has {machine['gpus']} GPU(s) and you asked for CPU: Accelerate's multi-GPU launcher "
+                     f"does not pass use_cpu to the ranks, so they will use the GPUs unless you launch with "
+                     f"ACCELERATE_USE_CPU=1 (or CUDA_VISIBLE_DEVICES=)")
+    if dt == "MULTI_GPU" and not config.use_cpu and machine["cuda"] and n // max(1, config.num_machines) > machine["gpus"]:
+        notes.append(f"{n} processes but {machine['gpus']} GPU(s) visible here: every rank needs its own GPU")
+    if dt == "MULTI_GPU" and not config.use_cpu and not machine["cuda"]:
+        notes.append("no GPU is visible on this machine: HfZeroAccelerator will run the ranks on CPU with gloo")
+    if config.mixed_precision == "fp16" and not machine["cuda"]:
+        notes.append("fp16 on CPU is slow and partly unsupported by torch's CPU kernels; bf16 is the CPU choice")
+    return notes
+
+
+# ---------------------------------------------------------------------------------------------------- commands
+def show(args: argparse.Namespace) -> int:
+    """Both files with their paths and sources, and what `accelerate launch` will start. 0: all good, 1: not."""
+    from .plugin import CONFIG_ENV, ZeroPlugin
+
+    ok = True
+    acc_path, acc_src = _accelerate_path(args)
+    zero_path, zero_src = _zero_path(args)
+    print(f"Accelerate config: {acc_path}  ({acc_src})")
+    if acc_path.is_file():
+        print(_indent(acc_path.read_text()))
+    else:
+        ok = False
+        print("  (missing: `accelerate launch` would use its defaults; write one with `hf-zero config`)")
+    print(f"hf_zero config: {zero_path}  ({zero_src})")
+    if zero_path.is_file():
+        print(_indent(zero_path.read_text()))
+        try:
+            plugin = ZeroPlugin.from_yaml(zero_path)
+            print(f"  effective: {_describe_plugin(plugin)}")
+        except Exception as exc:  # ZeroConfigError, YAML errors
+            ok = False
+            print(f"  INVALID: {exc}")
+    else:
+        print("  (missing: HfZeroAccelerator uses the ZeroPlugin defaults"
+              + (f"; with ${CONFIG_ENV} pointing here it raises)" if zero_src != "default: beside Accelerate's "
+                 "default config" else ")"))
+        print(f"  defaults: {_describe_plugin(ZeroPlugin())}")
+    _print_reader_hint(zero_path)
+    if acc_path.is_file():
+        try:
+            facts, problems = launch_plan(acc_path)
+        except Exception as exc:
+            ok = False
+            print(f"`accelerate launch` would fail on this config: {type(exc).__name__}: {exc}")
+        else:
+            print(f"`accelerate launch{_cfg_flag(acc_path, args)} script.py` starts: " + "; ".join(facts))
+            for p in problems:
+                ok = False
+                print(f"  PROBLEM: {p}")
+    return 0 if ok else 1
+
+
+def _cfg_flag(path: Path, args: argparse.Namespace) -> str:
+    return f" --config_file {path}" if args.config_file else ""
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.rstrip("\n").splitlines())
+
+
+def _describe_plugin(plugin: Any) -> str:
+    return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(plugin).items())
+
+
+def _print_reader_hint(zero_path: Path) -> None:
+    """Tell how the launched ranks will find hf_zero.yaml if it is not where they look by default."""
+    from .plugin import CONFIG_ENV, default_config_path
+
+    if os.environ.get(CONFIG_ENV):
+        if Path(os.environ[CONFIG_ENV]).resolve() != zero_path.resolve():
+            print(f"  note: ${CONFIG_ENV}={os.environ[CONFIG_ENV]} is set: HfZeroAccelerator reads that file, not this one")
+        return
+    if zero_path.resolve() != default_config_path().resolve():
+        print(f"  note: HfZeroAccelerator reads {default_config_path()} by default: launch with "
+              f"{CONFIG_ENV}={zero_path.resolve()}")
+
+
+def write(args: argparse.Namespace) -> int:
+    from .plugin import ZeroPlugin
+    from ..config import ZeroConfigError
+
+    if args.offload_params == "cpu" and args.stage is not None and args.stage != 3:
+        raise ConfigUsageError(f"--offload-params cpu needs --stage 3 (parameters are only partitioned at stage 3); "
+                               f"got --stage {args.stage}. Use --stage 3 or --offload-params none")
+    interactive = not args.yes
+    machine = _machine()
+    zero_defaults = {f.name: f.default for f in dataclasses.fields(ZeroPlugin)}
+    acc_path, _ = _accelerate_path(args)
+    zero_path, _ = _zero_path(args)
+
+    if args.yes or any(getattr(args, f) is not None for f in _ACCELERATE_FLAGS):
+        accel = _accelerate_from_flags(args, machine)
+    else:
+        accel = _ask_accelerate(zero_defaults)
+    values = _ask_zero(args, zero_defaults, interactive)
+    if values["offload_params"] == "cpu" and values["stage"] != 3:
+        raise ConfigUsageError(f"--offload-params cpu needs stage 3 (parameters are only partitioned at stage 3); "
+                               f"the stage is {values['stage']}. Add --stage 3 or use --offload-params none")
+    try:
+        plugin = ZeroPlugin(**values)
+    except ZeroConfigError as exc:
+        raise ConfigUsageError(str(exc)) from None
+
+    notes = _machine_notes(accel, machine)
+    if plugin.cpu_checkpointing:
+        notes.append("cpu_checkpointing is written, but this version of hf_zero does not implement it yet: "
+                     "HfZeroAccelerator will raise NotImplementedError at prepare()")
+    if plugin.activation_checkpointing == "partitioned":
+        notes.append("activation_checkpointing 'partitioned' needs a model-parallel group; with pure data "
+                     "parallelism it runs as plain checkpointing ('on')")
+
+    acc_text = _accelerate_text(accel, acc_path)
+    _write_atomic(acc_path, acc_text)
+    plugin.to_yaml(zero_path)
+    # read both back the way their consumers do: Accelerate's loader rejects unknown keys, ZeroPlugin validates
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    load_config_from_file(str(acc_path))
+    ZeroPlugin.from_yaml(zero_path)
+
+    print(f"\nAccelerate config saved at {acc_path}")
+    print(f"hf_zero config saved at {zero_path}")
+    print(f"  {_describe_plugin(plugin)}")
+    _print_reader_hint(zero_path)
+    try:
+        facts, problems = launch_plan(acc_path)
+        print(f"`accelerate launch{_cfg_flag(acc_path, args)} script.py` starts: " + "; ".join(facts))
+        notes.extend(p for p in problems if p not in notes)
+    except Exception as exc:  # pragma: no cover - Accelerate internals changed
+        notes.append(f"could not work out what `accelerate launch` starts: {type(exc).__name__}: {exc}")
+    for note in notes:
+        print(f"  NOTE: {note}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """`hf-zero config`: 0 written/shown fine, 1 aborted or --show found problems, 2 bad flags."""
+    try:
+        if args.show:
+            return show(args)
+        return write(args)
+    except ConfigUsageError as exc:
+        print(f"hf-zero config: error: {exc}", file=sys.stderr)
+        return 2
+    except ConfigAbort as exc:
+        print(f"hf-zero config: {exc}", file=sys.stderr)
+        return 1
+    except EOFError:
+        print("\nhf-zero config: input ended before every question was answered; nothing was written",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nhf-zero config: interrupted; nothing was written", file=sys.stderr)
+        return 130
