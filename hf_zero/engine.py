@@ -62,7 +62,7 @@ class ZeroEngine:
 
         self.gatherer: Optional[Gatherer] = None
         self.reducer = Reducer(
-            self.groups, config.stage, self.comm, self.pool, max_inflight_bytes=2 * config.reduce_bucket_size,
+            self.groups, config.stage, self.comm, self.pool, max_inflight_bytes=4 * config.reduce_bucket_size,
             on_launch=self._on_group_launched, on_backward_end=self._on_backward_end,
         )
         if config.stage == 3:

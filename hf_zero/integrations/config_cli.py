@@ -471,7 +471,7 @@ def show(args: argparse.Namespace) -> int:
     if acc_path.is_file():
         print(_indent(acc_path.read_text()))
     else:
-        ok = False
+        ok = ok and acc_src != "--config-file"
         print("  (missing: `accelerate launch` would use its defaults; write one with `hf-zero config`)")
     print(f"hf_zero config: {zero_path}  ({zero_src})")
     if zero_path.is_file():
@@ -482,10 +482,14 @@ def show(args: argparse.Namespace) -> int:
         except Exception as exc:  # ZeroConfigError, YAML errors
             ok = False
             print(f"  INVALID: {exc}")
+    elif zero_src == f"${CONFIG_ENV}":
+        ok = False
+        print(f"  (missing: ${CONFIG_ENV} points here, so HfZeroAccelerator raises FileNotFoundError)")
+    elif zero_src == "--zero-config-file":
+        ok = False
+        print("  (missing)")
     else:
-        print("  (missing: HfZeroAccelerator uses the ZeroPlugin defaults"
-              + (f"; with ${CONFIG_ENV} pointing here it raises)" if zero_src != "default: beside Accelerate's "
-                 "default config" else ")"))
+        print("  (missing: HfZeroAccelerator uses the ZeroPlugin defaults)")
         print(f"  defaults: {_describe_plugin(ZeroPlugin())}")
     _print_reader_hint(zero_path)
     if acc_path.is_file():
