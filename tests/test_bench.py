@@ -11,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+
+pytestmark = pytest.mark.slow  # one end-to-end bench run: ~45 s idle, over a minute on a loaded machine
 from transformers import AutoModelForCausalLM, GPT2Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
