@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # one end-to-end bench run: ~45 s idle, over a minute on a loaded machine
 from transformers import AutoModelForCausalLM, GPT2Config
+
+pytestmark = pytest.mark.slow  # one end-to-end bench run: ~45 s idle, over a minute on a loaded machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 2

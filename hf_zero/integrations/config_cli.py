@@ -357,8 +357,10 @@ def launch_plan(config_file: os.PathLike) -> Tuple[List[str], List[str]]:
             problems.append("FSDP / Megatron-LM selected: Accelerate switches backends and HfZeroAccelerator refuses "
                             "to start; run `hf-zero config`")
         if not cuda:
-            facts.append("no GPU is visible here: HfZeroAccelerator runs the ranks on CPU with gloo (a plain "
-                         "accelerate.Accelerator would see 1 process per rank: the launcher does not pass use_cpu on)")
+            facts.append("no GPU is visible here: HfZeroAccelerator runs the ranks on CPU with gloo. The launcher does "
+                         "not pass use_cpu on to the ranks, so state built before HfZeroAccelerator (a plain "
+                         "Accelerator, PartialState, TrainingArguments without use_cpu=True) sees 1 process: for such "
+                         "scripts set TrainingArguments(use_cpu=True) or launch with ACCELERATE_USE_CPU=1")
         elif getattr(ns, "use_cpu", False):
             problems.append(f"use_cpu is set but this machine has {gpus} GPU(s): the multi-GPU launcher does not pass "
                             f"use_cpu to the ranks, so they will use the GPUs. For CPU ranks launch with "
