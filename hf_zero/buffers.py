@@ -15,7 +15,8 @@ class BufferPool:
     """Hands out flat buffers by (numel, dtype, device) and takes them back, so steady-state steps allocate
     nothing new. Tracks live and peak bytes for memory_stats()."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_free: int = 1) -> None:
+        self.keep_free = keep_free
         self._free: Dict[Tuple[int, torch.dtype, torch.device], List[torch.Tensor]] = defaultdict(list)
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -36,7 +37,9 @@ class BufferPool:
 
     def give(self, buf: torch.Tensor) -> None:
         self.live_bytes -= buf.numel() * buf.element_size()
-        self._free[(buf.numel(), buf.dtype, buf.device)].append(buf)
+        free = self._free[(buf.numel(), buf.dtype, buf.device)]
+        if len(free) < self.keep_free:  # keep one spare per size for the next bucket; let the rest go
+            free.append(buf)
 
     @property
     def reserved_bytes(self) -> int:

@@ -309,6 +309,7 @@ def _reconcile(config: Any, zero_defaults: Dict[str, Any]) -> Optional[Any]:
         print(f"\nmixed_precision={config.mixed_precision!r}: hf_zero supports no, bf16 and fp16 (fp32 master "
               f"weights inside the shards).")
         config.mixed_precision = _ask("Mixed precision for hf_zero? (no/bf16/fp16) [no]: ", _parse_mixed_precision, "no")
+        config.fp8_config = {}
     return config
 
 
