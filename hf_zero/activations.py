@@ -17,7 +17,7 @@ def enable_activation_checkpointing(model: nn.Module, mode: str = "on", cpu: boo
                                     model_parallel_group=None) -> None:
     """Turn on the model's own activation checkpointing (non-reentrant) for mode "on" / "partitioned"."""
     if cpu:
-        raise NotImplementedError("cpu_checkpointing is not available yet in this version of hf_zero; set it false")
+        raise ValueError("cpu_checkpointing is not available yet in this version of hf_zero; set it false")
     if mode == "off":
         return
     if not hasattr(model, "gradient_checkpointing_enable"):

@@ -17,7 +17,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .integrations.config_cli import add_arguments as add_config_arguments
 
     add_config_arguments(config)
+    from .checkpoint import cli as checkpoint_cli
+
+    checkpoint_cli.add_consolidate_arguments(sub.add_parser(
+        "consolidate", help="write the save_pretrained layout from a sharded checkpoint (offline, bounded memory)"))
+    checkpoint_cli.add_push_arguments(sub.add_parser("push", help="upload an exported folder to the Hugging Face Hub"))
     args = parser.parse_args(argv)
+    if args.command == "consolidate":
+        return checkpoint_cli.run_consolidate(args)
+    if args.command == "push":
+        return checkpoint_cli.run_push(args)
     if args.command == "bench":
         from .bench import run
 

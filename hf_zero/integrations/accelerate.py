@@ -58,8 +58,9 @@ class HfZeroAccelerator(Accelerator):
         if self.num_processes != _launched_world_size():
             raise RuntimeError(
                 f"WORLD_SIZE={_launched_world_size()} processes were launched but Accelerate built a state with "
-                f"{self.num_processes}; on CPU launch with `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu "
-                f"--num_processes N` (or torchrun)"
+                f"{self.num_processes}: Accelerate state was created before hf_zero was imported (TrainingArguments, "
+                f"PartialState, a plain Accelerator). Import hf_zero first, or launch with ACCELERATE_USE_CPU=1 "
+                f"(`ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N`, or torchrun)"
             )
         if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
             raise RuntimeError(f"distributed_type {self.distributed_type} conflicts with hf_zero; use MULTI_GPU/CPU")

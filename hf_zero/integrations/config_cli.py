@@ -98,6 +98,13 @@ def _yes_no(name: str) -> Callable[[str], bool]:
     return parse
 
 
+def _parse_cpu_checkpointing(text: str) -> bool:
+    if _yes_no("cpu checkpointing")(text):
+        raise argparse.ArgumentTypeError("cpu checkpointing is not available in this version of hf_zero yet; "
+                                         "answer no")
+    return False
+
+
 _parse_stage = _choice(STAGES, "stage", int)
 _parse_offload_optimizer = _choice(OFFLOAD, "offload optimizer")
 _parse_offload_params = _choice(OFFLOAD, "offload params")
@@ -194,7 +201,7 @@ def _ask_zero(args: argparse.Namespace, defaults: Dict[str, Any], interactive: b
         values["offload_params"] = "none"
     q("activation_checkpointing", "Activation checkpointing? (off/on/partitioned)", _parse_checkpointing)
     q("cpu_checkpointing", "Keep activation checkpoints in CPU memory (cpu checkpointing)? (yes/no)",
-      _yes_no("cpu checkpointing"), "yes" if values["cpu_checkpointing"] else "no")
+      _parse_cpu_checkpointing, "yes" if values["cpu_checkpointing"] else "no")
     q("reduce_bucket_size", "Reduce (gradient) bucket size in bytes", _parse_reduce)
     q("allgather_bucket_size", "All-gather bucket size in bytes", _parse_allgather)
     if values["stage"] == 3:
@@ -308,7 +315,8 @@ def _reconcile(config: Any, zero_defaults: Dict[str, Any]) -> Optional[Any]:
     if config.mixed_precision not in MIXED_PRECISION:
         print(f"\nmixed_precision={config.mixed_precision!r}: hf_zero supports no, bf16 and fp16 (fp32 master "
               f"weights inside the shards).")
-        config.mixed_precision = _ask("Mixed precision for hf_zero? (no/bf16/fp16) [no]: ", _parse_mixed_precision, "no")
+        config.mixed_precision = _ask("Mixed precision for hf_zero? (no/bf16/fp16) [no]: ", _parse_mixed_precision,
+                                      "no")
         config.fp8_config = {}
     return config
 
@@ -450,15 +458,16 @@ def _machine_notes(config: Any, machine: Dict[str, Any]) -> List[str]:
     notes = []
     dt, n = _dt(config), int(config.num_processes)
     if dt == "MULTI_GPU" and machine["cuda"] and config.use_cpu:
-        notes.append(f"this machine has {machine['gpus']} GPU(s) and you asked for CPU: Accelerate's multi-GPU launcher "
-                     f"does not pass use_cpu to the ranks, so they will use the GPUs unless you launch with "
+        notes.append(f"this machine has {machine['gpus']} GPU(s) and you asked for CPU: Accelerate's multi-GPU "
+                     f"launcher does not pass use_cpu to the ranks, so they will use the GPUs unless you launch with "
                      f"ACCELERATE_USE_CPU=1 (or CUDA_VISIBLE_DEVICES=)")
-    if dt == "MULTI_GPU" and not config.use_cpu and machine["cuda"] and n // max(1, config.num_machines) > machine["gpus"]:
+    per_node = n // max(1, config.num_machines)
+    if dt == "MULTI_GPU" and not config.use_cpu and machine["cuda"] and per_node > machine["gpus"]:
         notes.append(f"{n} processes but {machine['gpus']} GPU(s) visible here: every rank needs its own GPU")
     if dt == "MULTI_GPU" and not config.use_cpu and not machine["cuda"]:
         notes.append("no GPU is visible on this machine: HfZeroAccelerator will run the ranks on CPU with gloo")
     if config.mixed_precision == "fp16" and not machine["cuda"]:
-        notes.append("fp16 on CPU is slow and partly unsupported by torch's CPU kernels; bf16 is the CPU choice")
+        notes.append("fp16 on CPU is slow (and fp16 loss scaling buys nothing there); bf16 is the usual CPU choice")
     return notes
 
 
@@ -527,7 +536,8 @@ def _print_reader_hint(zero_path: Path) -> None:
 
     if os.environ.get(CONFIG_ENV):
         if Path(os.environ[CONFIG_ENV]).resolve() != zero_path.resolve():
-            print(f"  note: ${CONFIG_ENV}={os.environ[CONFIG_ENV]} is set: HfZeroAccelerator reads that file, not this one")
+            print(f"  note: ${CONFIG_ENV}={os.environ[CONFIG_ENV]} is set: HfZeroAccelerator reads that file, "
+                  f"not this one")
         return
     if zero_path.resolve() != default_config_path().resolve():
         print(f"  note: HfZeroAccelerator reads {default_config_path()} by default: launch with "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -66,6 +67,9 @@ class ZeroPlugin:
             )
         if not isinstance(self.cpu_checkpointing, bool):
             raise ZeroConfigError(f"cpu_checkpointing={self.cpu_checkpointing!r}; allowed: true or false")
+        if self.cpu_checkpointing:
+            raise ZeroConfigError("cpu_checkpointing=true is not available in this version of hf_zero yet; set it "
+                                  "to false (activation checkpoints stay on the compute device)")
         self.to_zero_config("no")  # validates every engine option now, with the engine's messages
 
     def to_zero_config(self, mixed_precision: str) -> ZeroConfig:
@@ -97,10 +101,17 @@ class ZeroPlugin:
                 f"hf_zero config file {path} does not exist. Write one with `hf-zero config`, or point "
                 f"{CONFIG_ENV} at an existing hf_zero.yaml"
             )
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ZeroConfigError(f"{path}: expected a mapping of ZeRO options, got {type(data).__name__}")
-        return cls.from_dict(data.get("zero", data), source=str(path))
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ZeroConfigError(f"{path} is not valid YAML: {exc}") from None
+        section = data.get("zero", data) if isinstance(data, dict) else data
+        if section is None:
+            section = {}
+        if not isinstance(section, dict):
+            raise ZeroConfigError(f"{path}: expected a mapping of ZeRO options (e.g. 'zero:\n  stage: 3'), got "
+                                  f"{type(section).__name__} {section!r}")
+        return cls.from_dict(section, source=str(path))
 
     @classmethod
     def from_env(cls) -> "ZeroPlugin":
@@ -114,6 +125,9 @@ class ZeroPlugin:
         """Write atomically (a crash never leaves a half-written config)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(yaml.safe_dump({"zero": dataclasses.asdict(self)}, sort_keys=False))
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        with open(tmp, "w") as f:
+            f.write(yaml.safe_dump({"zero": dataclasses.asdict(self)}, sort_keys=False))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
