@@ -141,6 +141,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Reduce (if not yet), unscale, skip on fp16 overflow, update the shard, restore full parameters."""
         loss = closure() if closure is not None else None
+        self._opt_called = True  # what torch's LR schedulers check (see _wrapped_by_lr_sched below)
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         if self.engine.prepare_grads():
@@ -154,6 +155,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
+
+    # LR schedulers wrap `optimizer.step` at construction to notice a step before theirs; the scheduler was built
+    # on the user's optimizer, so this step records the call itself and says it needs no wrapping.
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradient accumulators (also done by every step)."""

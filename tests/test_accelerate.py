@@ -68,6 +68,22 @@ def test_accelerate_launch_matches_ddp(tmp_path, nproc, model, stages):
         assert_same_weights(out / "weights.safetensors", ref / "weights.safetensors")
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_save_state_load_state_resumes_exactly(tmp_path, stage):
+    """save_state keeps every rank's shard; load_state continues the same run to the same weights."""
+    cfg = tmp_path / "zero.yaml"
+    cfg.write_text(f"zero:\n  stage: {stage}\n")
+    full = tmp_path / "full"
+    accelerate_launch("accel_train.py", 2, "--backend", "zero", "--model", "llama", "--steps", "4",
+                      "--save-at", "2", "--out", str(full), zero_yaml=cfg)
+    shards = sorted(f for f in os.listdir(full / "state" / "zero_shards") if f.startswith(("rank", "manifest")))
+    assert shards == ["manifest.json", "rank00000-of-00002.safetensors", "rank00001-of-00002.safetensors"]
+    resumed = tmp_path / "resumed"
+    accelerate_launch("accel_train.py", 2, "--backend", "zero", "--model", "llama", "--steps", "4",
+                      "--resume", str(full / "state"), "--out", str(resumed), zero_yaml=cfg)
+    assert_same_weights(resumed / "weights.safetensors", full / "weights.safetensors", rtol=1e-6)
+
+
 def test_torchrun_gives_one_gloo_world(tmp_path):
     """A plain Accelerator() under torchrun on a CPU machine runs N one-process worlds; HfZeroAccelerator must not."""
     script = tmp_path / "world.py"
@@ -109,7 +125,7 @@ def test_zero_trainer_matches_trainer_and_resumes(tmp_path, trainer_ddp, stage):
         if name in ref:
             torch.testing.assert_close(tensor, ref[name], rtol=1e-5, atol=1e-6)
     # every rank's optimizer shard is in the checkpoint, not only the main process's
-    shards = sorted(os.listdir(out / "checkpoint-2" / "zero_shards"))
+    shards = sorted(f for f in os.listdir(out / "checkpoint-2" / "zero_shards") if f.startswith(("rank", "manifest")))
     assert shards == ["manifest.json", "rank00000-of-00002.safetensors", "rank00001-of-00002.safetensors"]
     # resume from step 2 in a fresh output dir: same losses for steps 3-4 and the same final weights
     resumed = tmp_path / "resumed"

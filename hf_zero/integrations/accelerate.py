@@ -181,6 +181,44 @@ class HfZeroAccelerator(Accelerator):
             return super().get_state_dict(model, unwrap=unwrap)
         return engine.full_state_dict()
 
+    # ---------------------------------------------------------------- training state
+    @contextlib.contextmanager
+    def _without(self, models: bool, optimizers: bool) -> Iterator[None]:
+        saved = self._models, self._optimizers
+        self._models = [] if models else self._models
+        self._optimizers = [] if optimizers else self._optimizers
+        try:
+            yield
+        finally:
+            self._models, self._optimizers = saved
+
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> str:
+        """Accelerate's save_state (consolidated weights, schedulers, RNG, data loaders) plus every rank's optimizer
+        and master-weight shard in `zero_shards/` (Accelerate alone would keep only the main process's)."""
+        if not self.zero_engines:
+            return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        with self._without(models=False, optimizers=True):
+            output_dir = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        self.zero_engine.save_checkpoint(os.path.join(output_dir, "zero_shards"), step=self.step)
+        return output_dir
+
+    def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
+                   **load_model_func_kwargs: Any) -> None:
+        """Restore a save_state folder: the shards restore weights and optimizer state at any world size; Accelerate
+        restores schedulers, RNG and data loaders."""
+        if not self.zero_engines:
+            return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        if input_dir is None:
+            raise ValueError("HfZeroAccelerator.load_state needs input_dir: the folder save_state returned")
+        shards = os.path.join(os.path.expanduser(str(input_dir)), "zero_shards")
+        if not os.path.isdir(shards):
+            raise FileNotFoundError(f"{input_dir} has no zero_shards/ folder: it was not written by "
+                                    f"HfZeroAccelerator.save_state, so it holds no optimizer shards")
+        with self._without(models=True, optimizers=True):
+            super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        self.zero_engine.load_checkpoint(shards)
+
     def free_memory(self, *objects: Any) -> Any:
         for engine in self.zero_engines:
             engine.close()

@@ -17,6 +17,8 @@ p.add_argument("--model", default="gpt2")
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--grad-accum", type=int, default=2)
 p.add_argument("--out", required=True)
+p.add_argument("--save-at", type=int, default=0, help="save_state after this many optimizer steps")
+p.add_argument("--resume", default=None, help="load_state from this folder and skip the steps it covers")
 args = p.parse_args()
 
 if args.backend == "zero":
@@ -46,6 +48,11 @@ model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, load
 
 losses, norms = [], []
 model.train()
+done = 0
+if args.resume:
+    accelerator.load_state(args.resume)
+    done = json.load(open(os.path.join(args.resume, "steps.json")))["steps"]
+    loader = accelerator.skip_first_batches(loader, done * args.grad_accum)
 for i, (x,) in enumerate(loader):
     with accelerator.accumulate(model):
         loss = model(input_ids=x, labels=x).loss
@@ -57,6 +64,12 @@ for i, (x,) in enumerate(loader):
         scheduler.step()
         optimizer.zero_grad()
     losses.append(step_loss)
+    if accelerator.sync_gradients:
+        done += 1
+        if done == args.save_at:
+            state_dir = accelerator.save_state(os.path.join(args.out, "state"))
+            if accelerator.is_main_process:
+                json.dump({"steps": done}, open(os.path.join(state_dir, "steps.json"), "w"))
 
 state = accelerator.get_state_dict(model)
 if accelerator.is_main_process:
