@@ -179,7 +179,7 @@ def test_interactive_fsdp_answer_is_explained_and_replaced(tmp_path):
 
 def test_interactive_pty_with_accelerate_menus(tmp_path):
     """The real terminal path: Accelerate's arrow-key menus (needs pexpect)."""
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect  # in the test extra
     acc, zero, paths = _paths(tmp_path)
     child = pexpect.spawn(sys.executable, ["-m", "hf_zero.cli", "config", *paths], env=_env(tmp_path),
                           cwd=str(tmp_path), encoding="utf-8", timeout=60, dimensions=(60, 200))
