@@ -43,6 +43,8 @@ class Handle:
 class Comm:
     """The process group the engine talks over. Without torch.distributed initialised it is a one-rank world."""
 
+    _instances = 0
+
     def __init__(self, group: Optional[dist.ProcessGroup] = None, debug: bool = False, debug_timeout_s: float = 120):
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group
@@ -51,7 +53,10 @@ class Comm:
         self.debug = debug and self.distributed and self.world_size > 1
         self.debug_timeout = timedelta(seconds=debug_timeout_s)
         self._calls = 0
-        self._tags: Dict[int, str] = {}
+        # Engines are built in the same order on every rank, so this numbers them alike: store keys of one engine
+        # never meet another's.
+        Comm._instances += 1
+        self._prefix = f"hfz/{Comm._instances}"
         self.reset_stats()
 
     # ------------------------------------------------------------------ ledger
@@ -79,8 +84,8 @@ class Comm:
             return
         store = dist.distributed_c10d._get_default_store()
         desc = f"#{self._calls} {kind} of {numel} elements for {tag}"
-        store.set(f"hfz/{self._calls}/{self.rank}", desc)
-        others = [f"hfz/{self._calls}/{r}" for r in range(self.world_size) if r != self.rank]
+        store.set(f"{self._prefix}/{self._calls}/{self.rank}", desc)
+        others = [f"{self._prefix}/{self._calls}/{r}" for r in range(self.world_size) if r != self.rank]
         try:
             store.wait(others, self.debug_timeout)
         except Exception as exc:  # a rank never reached this call: it ran fewer collectives
