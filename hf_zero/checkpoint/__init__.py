@@ -1,4 +1,8 @@
-"""Checkpoints: sharded training state (save / load / reshard at any world size)."""
-from .sharded import CheckpointError, load_checkpoint, save_checkpoint
+"""Checkpoints: sharded training state (save / load / reshard at any world size), the consolidated Hugging Face
+export (from a live engine or offline from the shard files) and the Hub push."""
+from .export import export_pretrained
+from .hub import push_to_hub
+from .sharded import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "export_pretrained", "load_checkpoint", "push_to_hub", "read_manifest",
+           "save_checkpoint"]

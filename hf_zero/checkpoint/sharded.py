@@ -3,31 +3,43 @@
 Every saved tensor is a range of a group's flat index space (master weights, frozen weights, each optimizer
 state), and the manifest records where every parameter sits in that space. Loading at another world size, stage
 or bucket size is interval arithmetic: for each range a rank now owns, find the parameter, find where it was
-saved, and read just those slices (`safe_open(...).get_slice`) from just the files that hold them.
+saved, and read just those byte ranges from just the files that hold them (plain reads into fresh tensors; a
+safe_open slice would keep the file's pages resident).
 
-A save goes to a temporary folder that is renamed into place once every file and the manifest are written, so a
-crash mid-save leaves the previous checkpoint whole.
+Rank 0's file also holds the model's persistent buffers, and the manifest records the model's state-dict layout
+(every `model.state_dict()` key in order, tied-weight declarations, config), so `export.export_pretrained` can write
+the Hugging Face layout from the files alone, with no process group and no model code.
+
+A save goes to a temporary folder that is renamed into place once every file and the manifest are written; ranks
+agree on success before the rename, so a failure on any rank (or a crash) leaves the previous checkpoint whole.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
+import safetensors.torch as _st  # called as _st.save_file so a test can patch safetensors.torch.save_file
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
+from torch import nn
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: persistent buffers in rank 0's file, the model's state-dict layout, file sizes
 MANIFEST = "manifest.json"
+BUFFER_PREFIX = "buffer."
+logger = logging.getLogger("hf_zero")
 
 
 class CheckpointError(RuntimeError):
@@ -58,9 +70,100 @@ def _json_value(v: Any) -> Any:
     return v
 
 
+# ---------------------------------------------------------------------------------------------- model layout
+def _tied_weight_patterns(model: nn.Module) -> List[str]:
+    """What Transformers' save_pretrained drops from tied groups: every submodule's `_tied_weights_keys`."""
+    out: List[str] = []
+    for name, module in model.named_modules():
+        tied = getattr(module, "_tied_weights_keys", None) or {}
+        out.extend(f"{name}.{k}" if name else k for k in (tied.keys() if isinstance(tied, dict) else tied))
+    return out
+
+
+def _persistent_buffers(model: nn.Module) -> Tuple[List[str], Dict[int, Tuple[torch.Tensor, List[str]]]]:
+    """model.state_dict()'s keys in order (walking modules as state_dict does, without calling it: the stage-3
+    guard refuses it) and the persistent buffers, each once with all its names."""
+    keys: List[str] = []
+    buffers: Dict[int, Tuple[torch.Tensor, List[str]]] = {}
+    extra = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        pre = f"{prefix}." if prefix else ""
+        for n, p in module._parameters.items():
+            if p is not None:
+                keys.append(pre + n)
+        for n, b in module._buffers.items():
+            if b is not None and n not in module._non_persistent_buffers_set:
+                keys.append(pre + n)
+                buffers.setdefault(id(b), (b, []))[1].append(pre + n)
+        if type(module).get_extra_state is not nn.Module.get_extra_state:
+            extra.append(pre + "_extra_state")
+    if extra:
+        logger.warning("hf_zero: %s keep extra state (get_extra_state); checkpoints and exports do not include it",
+                       extra[:3])
+    return keys, buffers
+
+
+def model_layout(engine: "ZeroEngine") -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+    """The model's state-dict layout (for the manifest and the export) and its persistent buffers by name."""
+    model = engine.model
+    keys, buffers = _persistent_buffers(model)
+    slots = {s.name: s for g in engine.plan.groups for s in g.slots}
+    dtype = None
+    for name, p in model.named_parameters():  # PreTrainedModel.dtype: the first floating parameter's dtype
+        if name in slots and slots[name].orig_dtype.is_floating_point:
+            dtype = _dtype_name(slots[name].orig_dtype)
+            break
+    can_generate = getattr(model, "can_generate", None)
+    layout = {
+        "class": type(model).__name__.removeprefix("FSDP"),
+        "transformers": hasattr(model, "save_pretrained") and hasattr(getattr(model, "config", None), "to_json_string"),
+        "dtype": dtype,
+        "can_generate": bool(can_generate()) if callable(can_generate) else False,
+        "num_parameters": sum(s.numel for s in slots.values()),
+        "state_dict_keys": keys,
+        "tied_weight_patterns": _tied_weight_patterns(model),
+        "keys_to_ignore_on_save": sorted(getattr(model, "_keys_to_ignore_on_save", None) or []),
+        "buffers": [{"name": names[0], "aliases": names, "shape": list(b.shape), "dtype": _dtype_name(b.dtype)}
+                    for b, names in buffers.values()],
+    }
+    values = {names[0]: b for b, names in buffers.values()}
+    return layout, values
+
+
+def config_texts(config: Any, generation_config: Any = None, architecture: Optional[str] = None,
+                 dtype: Optional[str] = None) -> Dict[str, bytes]:
+    """config.json (and generation_config.json) as save_pretrained writes them, with `dtype` and `architectures`
+    set as it sets them; {} when `config` is not a Transformers config."""
+    if not hasattr(config, "save_pretrained"):
+        return {}
+    out: Dict[str, bytes] = {}
+    with tempfile.TemporaryDirectory(prefix="hfz_cfg_") as scratch:
+        config = copy.deepcopy(config)
+        if dtype is not None:
+            config.dtype = dtype
+        if architecture is not None:
+            config.architectures = [architecture]
+        config.save_pretrained(scratch)
+        if generation_config is not None:
+            generation_config.save_pretrained(scratch)
+        for name in ("config.json", "generation_config.json"):
+            path = Path(scratch) / name
+            if path.is_file():
+                out[name] = path.read_bytes()
+    return out
+
+
+def model_config_texts(model: nn.Module, dtype: Optional[str]) -> Dict[str, bytes]:
+    """The config files save_pretrained writes for `model` (generation config only if it can generate)."""
+    can_generate = getattr(model, "can_generate", None)
+    gen = getattr(model, "generation_config", None) if callable(can_generate) and can_generate() else None
+    return config_texts(getattr(model, "config", None), gen, type(model).__name__.removeprefix("FSDP"), dtype)
+
+
 # ---------------------------------------------------------------------------------------------- save
-def _rank_tensors(engine: "ZeroEngine") -> Dict[str, torch.Tensor]:
-    """This rank's ranges: per group the master (trainable) or compute (frozen) shard and each optimizer state."""
+def _rank_tensors(engine: "ZeroEngine", buffers: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """This rank's ranges: per group the master (trainable) or compute (frozen) shard and each optimizer state;
+    on rank 0 also the persistent buffers."""
     rank = engine.comm.rank
     out: Dict[str, torch.Tensor] = {}
     seg_by_group: Dict[int, list] = {}
@@ -85,10 +188,31 @@ def _rank_tensors(engine: "ZeroEngine") -> Dict[str, torch.Tensor]:
                     if name not in out:
                         out[name] = torch.zeros(g.plan.shard_numel, dtype=value.dtype)
                     out[name][seg.start:seg.end] = value.detach().to("cpu").reshape(-1)
+    if rank == 0:
+        for name, b in buffers.items():
+            out[BUFFER_PREFIX + name] = b.detach().to("cpu").contiguous()
     return out
 
 
-def _manifest(engine: "ZeroEngine", files: Dict[str, str], step: Optional[int]) -> Dict[str, Any]:
+def plan_manifest(engine: "ZeroEngine") -> List[Dict[str, Any]]:
+    """The flat groups as the manifest records them (also the layout the online export reads)."""
+    return [
+        {
+            "index": g.index, "unit": g.unit, "dtype": _dtype_name(g.dtype), "trainable": g.trainable,
+            "numel": g.numel, "padded_numel": g.padded_numel, "shard_numel": g.shard_numel,
+            "master_dtype": _dtype_name(engine.groups[g.index].master.dtype) if g.trainable else None,
+            "slots": [
+                {"name": s.name, "aliases": list(s.aliases), "shape": list(s.shape),
+                 "dtype": _dtype_name(s.orig_dtype), "offset": s.offset, "numel": s.numel}
+                for s in g.slots
+            ],
+        }
+        for g in engine.plan.groups
+    ]
+
+
+def _manifest(engine: "ZeroEngine", files: Dict[str, str], sizes: Dict[str, int], step: Optional[int],
+              layout: Dict[str, Any]) -> Dict[str, Any]:
     opt = engine.optimizer
     name_of = {id(seg.tensor): seg.slot.name for seg in opt.segments}
     groups_hp = []
@@ -102,19 +226,8 @@ def _manifest(engine: "ZeroEngine", files: Dict[str, str], step: Optional[int]) 
         "stage": engine.config.stage,
         "config": engine.config.to_dict(),
         "step": step,
-        "groups": [
-            {
-                "index": g.index, "unit": g.unit, "dtype": _dtype_name(g.dtype), "trainable": g.trainable,
-                "numel": g.numel, "padded_numel": g.padded_numel, "shard_numel": g.shard_numel,
-                "master_dtype": _dtype_name(engine.groups[g.index].master.dtype) if g.trainable else None,
-                "slots": [
-                    {"name": s.name, "aliases": list(s.aliases), "shape": list(s.shape),
-                     "dtype": _dtype_name(s.orig_dtype), "offset": s.offset, "numel": s.numel}
-                    for s in g.slots
-                ],
-            }
-            for g in engine.plan.groups
-        ],
+        "groups": plan_manifest(engine),
+        "model": layout,
         "optimizer": {
             "class": engine.optimizer.user_optimizer_class.__name__,
             "param_groups": groups_hp,
@@ -123,40 +236,97 @@ def _manifest(engine: "ZeroEngine", files: Dict[str, str], step: Optional[int]) 
         },
         "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "files": files,
+        "file_bytes": sizes,
     }
 
 
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
 def save_checkpoint(engine: "ZeroEngine", directory: os.PathLike, step: Optional[int] = None) -> Path:
-    """Collective. Write this rank's shards and (rank 0) the manifest into `directory`, atomically."""
+    """Collective. Write this rank's shards and (rank 0) the manifest, the persistent buffers and the model's
+    config into `directory`, atomically: the ranks agree that every file was written before rank 0 renames the
+    temporary folder into place, so a failure on any rank raises CheckpointError on every rank and leaves the
+    previous checkpoint in `directory` untouched."""
     directory = Path(directory)
     comm = engine.comm
-    engine.reducer.finalize() if engine.reducer.inflight else None
+    multi = comm.distributed and comm.world_size > 1
+    if engine.reducer.inflight:
+        engine.reducer.finalize()
     tmp_name = [f"{directory.name}.tmp-{uuid.uuid4().hex[:8]}"]
-    if comm.distributed and comm.world_size > 1:
+    if multi:
         dist.broadcast_object_list(tmp_name, src=_global(comm, 0), group=comm.group)
     tmp = directory.parent / tmp_name[0]
-    tmp.mkdir(parents=True, exist_ok=True)
+    layout, buffers = model_layout(engine)
     fname = _rank_file(comm.rank, comm.world_size)
-    save_file(_rank_tensors(engine), str(tmp / fname), metadata={"format": "hf_zero-sharded"})
-    digest = {fname: _sha256(tmp / fname)}
-    digests: List[Dict[str, str]] = [digest]
-    if comm.distributed and comm.world_size > 1:
-        digests = [None] * comm.world_size  # type: ignore[list-item]
-        dist.all_gather_object(digests, digest, group=comm.group)
+    mine: Tuple[Dict[str, str], Dict[str, int], List[str], Optional[str]] = ({}, {}, [], None)
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        tensors = _rank_tensors(engine, buffers)
+        _st.save_file(tensors, str(tmp / fname), metadata={"format": "hf_zero-sharded"})
+        mine = ({fname: _sha256(tmp / fname)}, {fname: (tmp / fname).stat().st_size}, list(tensors), None)
+        del tensors
+    except Exception as exc:  # every rank must hear about it, or the others would rename a partial checkpoint
+        mine = ({}, {}, [], _describe(exc))
+    results = [mine]
+    if multi:
+        results = [None] * comm.world_size  # type: ignore[list-item]
+        dist.all_gather_object(results, mine, group=comm.group)
+    failures = [f"rank {r}: {err}" for r, (_, _, _, err) in enumerate(results) if err]
     if comm.rank == 0:
-        files = {k: v for d in digests for k, v in d.items()}
-        manifest = _manifest(engine, files, step)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        old = None
-        if directory.exists():
-            old = directory.parent / f"{directory.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(directory, old)
-        os.replace(tmp, directory)
-        if old is not None:
-            shutil.rmtree(old)
-    if comm.distributed and comm.world_size > 1:
-        dist.barrier(group=comm.group)
+        if not failures:
+            try:
+                files = {k: v for d, _, _, _ in results for k, v in d.items()}
+                sizes = {k: v for _, d, _, _ in results for k, v in d.items()}
+                manifest = _manifest(engine, files, sizes, step, layout)
+                _record_state_keys(manifest, [k for _, _, keys, _ in results for k in keys])
+                for name, text in model_config_texts(engine.model, layout["dtype"]).items():
+                    (tmp / name).write_bytes(text)
+                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+                _swap_into_place(tmp, directory)
+            except Exception as exc:
+                failures.append(f"rank 0: {_describe(exc)}")
+        if failures:
+            shutil.rmtree(tmp, ignore_errors=True)
+    status = [failures]
+    if multi:
+        dist.broadcast_object_list(status, src=_global(comm, 0), group=comm.group)
+    if status[0]:
+        raise CheckpointError(f"saving the checkpoint to {directory} failed ({'; '.join(status[0])}); nothing was "
+                              f"renamed into place, so {directory} holds the previous checkpoint (if any) unchanged")
     return directory
+
+
+def _record_state_keys(manifest: Dict[str, Any], names: List[str]) -> None:
+    """Per group, the optimizer-state keys any rank saved (so a loading rank opens only the files it needs)."""
+    for g in manifest["groups"]:
+        g["state_keys"], g["scalar_keys"] = [], []
+    for name in names:
+        m = re.fullmatch(r"g(\d+)\.(state|scalar)\.(.+)", name)
+        if m:
+            keys = manifest["groups"][int(m.group(1))][f"{m.group(2)}_keys"]
+            if m.group(3) not in keys:
+                keys.append(m.group(3))
+    for g in manifest["groups"]:
+        g["state_keys"].sort()
+        g["scalar_keys"].sort()
+
+
+def _swap_into_place(tmp: Path, directory: Path) -> None:
+    """Rename `tmp` to `directory`, replacing an existing `directory` (restored if the second rename fails)."""
+    old = None
+    if directory.exists():
+        old = directory.parent / f"{directory.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(directory, old)
+    try:
+        os.replace(tmp, directory)
+    except BaseException:
+        if old is not None:
+            os.replace(old, directory)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _global(comm, rank: int) -> int:
@@ -164,11 +334,70 @@ def _global(comm, rank: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- load
-class _Source:
-    """The saved layout: where each parameter's elements live, and reading flat ranges from rank files."""
+_PICKLE_MAGIC = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # torch.save zip, pickle
 
-    def __init__(self, directory: Path, manifest: Dict[str, Any]) -> None:
-        self.dir, self.m = directory, manifest
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+class _RankFile:
+    """Reads ranges of a (validated) safetensors file with plain reads into fresh tensors.
+
+    safe_open().get_slice() returns memory backed by the file mapping, so every page read stays in the process's
+    RSS while the tensor lives (and the handle is open); plain reads keep host memory to the tensors asked for,
+    which the bounded-memory export relies on. The format is an 8-byte little-endian header length, a JSON header
+    {name: {dtype, shape, data_offsets}} and the data."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        self.base = 8 + n
+        self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
+        for k, v in self.entries.items():
+            begin, end = v["data_offsets"]
+            if v["dtype"] not in _ST_DTYPES or not 0 <= begin <= end <= size - self.base:
+                raise CheckpointError(f"{path}: tensor {k} ({v['dtype']}, bytes {begin}..{end}) lies outside the file "
+                                      f"or has an unsupported dtype: damaged checkpoint")
+
+    def keys(self) -> List[str]:
+        return list(self.entries)
+
+    def read(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of the flattened tensor `key`."""
+        e = self.entries[key]
+        dtype = _ST_DTYPES[e["dtype"]]
+        item = torch.empty((), dtype=dtype).element_size()
+        begin, end = e["data_offsets"]
+        if not 0 <= lo <= hi <= (end - begin) // item:
+            raise CheckpointError(f"{self.path}: elements {lo}..{hi} of {key} requested, it has {(end - begin) // item}")
+        out = torch.empty(hi - lo, dtype=dtype)
+        if hi > lo:
+            view = memoryview(out.view(torch.uint8).numpy())
+            with open(self.path, "rb") as f:
+                f.seek(self.base + begin + lo * item)
+                if f.readinto(view) != view.nbytes:
+                    raise CheckpointError(f"{self.path}: short read of {key}: the file is truncated")
+        return out
+
+    def tensor(self, key: str) -> torch.Tensor:
+        e = self.entries[key]
+        numel = 1
+        for d in e["shape"]:
+            numel *= d
+        return self.read(key, 0, numel).view(e["shape"])
+
+
+class _Source:
+    """The saved layout: where each parameter's elements live, and reading flat ranges from rank files (each
+    rank file is checked once: present, the size and SHA-256 the manifest records, safetensors, not a pickle)."""
+
+    def __init__(self, directory: Path, manifest: Dict[str, Any], verify: bool = True) -> None:
+        self.dir, self.m, self.verify = directory, manifest, verify
         self.world = manifest["world_size"]
         self.groups = manifest["groups"]
         self.where: Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]] = {}
@@ -176,26 +405,40 @@ class _Source:
             for s in g["slots"]:
                 self.where[s["name"]] = (g, s)
         self._handles: Dict[str, Any] = {}
-        self._verified: set = set()
 
-    def _open(self, fname: str):
+    def _open(self, fname: str) -> "_RankFile":
         if fname not in self._handles:
-            path = self.dir / fname
-            if not path.is_file():
-                raise CheckpointError(f"{self.dir}: rank file {fname} is missing (the checkpoint was saved by "
-                                      f"{self.world} ranks; every rank file is needed)")
-            expected = self.m["files"].get(fname)
-            if expected is not None and fname not in self._verified:
-                if _sha256(path) != expected:
-                    raise CheckpointError(f"{path}: checksum mismatch: the file is truncated or was modified after "
-                                          f"the save")
-                self._verified.add(fname)
-            try:
-                self._handles[fname] = safe_open(str(path), framework="pt")
-            except Exception as exc:
-                raise CheckpointError(f"{path} is not a readable safetensors file ({exc}); hf_zero checkpoints "
-                                      f"never contain pickles") from None
+            self._handles[fname] = _RankFile(self.check_file(fname))
         return self._handles[fname]
+
+    def check_file(self, fname: str) -> Path:
+        """The rank file's path once it exists, is the file the manifest describes, and is safetensors."""
+        path = self.dir / fname
+        if not path.is_file():
+            raise CheckpointError(f"{self.dir}: rank file {fname} is missing (the checkpoint was saved by "
+                                  f"{self.world} ranks; every rank file is needed)")
+        with open(path, "rb") as f:
+            head = f.read(8)
+        if head.startswith(_PICKLE_MAGIC):
+            raise CheckpointError(f"{path} is a pickle (torch.save) file, not safetensors: hf_zero checkpoints never "
+                                  f"contain pickles and never load one (it could run code)")
+        files = self.m.get("files") or {}
+        if self.m.get("format_version", 1) >= 2 and fname not in files:
+            raise CheckpointError(f"{path}: the manifest does not list this rank file; the folder mixes checkpoints")
+        size, expected_size = path.stat().st_size, (self.m.get("file_bytes") or {}).get(fname)
+        if expected_size is not None and size != expected_size:
+            raise CheckpointError(f"{path} is {size} bytes but the manifest says {expected_size}: the file is "
+                                  f"{'truncated' if size < expected_size else 'longer than saved'} (an interrupted "
+                                  f"copy or a full disk?)")
+        if self.verify and fname in files and _sha256(path) != files[fname]:
+            raise CheckpointError(f"{path}: checksum mismatch: the file is damaged or was modified after the save")
+        if size < 8 or int.from_bytes(head, "little") + 8 > size:
+            raise CheckpointError(f"{path} is not a safetensors file (bad header)")
+        try:
+            safe_open(str(path), framework="pt")
+        except Exception as exc:
+            raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
+        return path
 
     def read(self, name: str, kind: str, lo: int, hi: int) -> Optional[torch.Tensor]:
         """Elements [lo, hi) of parameter `name` (kind "values" or "state.<key>"); None if that state is absent."""
@@ -211,10 +454,21 @@ class _Source:
             f = self._open(_rank_file(r, self.world))
             key = f"g{g['index']}.{kind}"
             if key not in f.keys():
+                if kind == "values":
+                    raise CheckpointError(f"{self.dir / _rank_file(r, self.world)} lacks {key}: damaged checkpoint")
                 return None
-            parts.append(f.get_slice(key)[start - r_lo:stop - r_lo])
+            parts.append(f.read(key, start - r_lo, stop - r_lo))
             start = stop
+        if not parts:
+            return torch.empty(0)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def buffer(self, name: str) -> torch.Tensor:
+        f = self._open(_rank_file(0, self.world))
+        key = BUFFER_PREFIX + name
+        if key not in f.keys():
+            raise CheckpointError(f"{self.dir / _rank_file(0, self.world)} lacks the buffer {name}: damaged checkpoint")
+        return f.tensor(key)
 
     def scalar(self, name: str, key: str) -> Optional[float]:
         g, s = self.where[name]
@@ -226,7 +480,7 @@ class _Source:
             f = self._open(_rank_file(r, self.world))
             k = f"g{g['index']}.scalar.{key}"
             if k in f.keys():
-                v = float(f.get_slice(k)[slot_index:slot_index + 1][0])
+                v = float(f.read(k, slot_index, slot_index + 1)[0])
                 if v == v:  # not NaN: this rank held a segment of the parameter
                     return v
         return None
@@ -238,9 +492,19 @@ def _check_model(engine: "ZeroEngine", src: _Source, directory: Path) -> None:
     missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
     shapes = [f"{n}: saved {saved[n]['shape']} vs model {list(mine[n].shape)}"
               for n in sorted(set(mine) & set(saved)) if list(mine[n].shape) != saved[n]["shape"]]
+    saved_model = src.m.get("model")
+    if saved_model is not None:  # format 2: persistent buffers too
+        _, buffers = _persistent_buffers(engine.model)
+        mine_b = {names[0]: b for b, names in buffers.values()}
+        saved_b = {b["name"]: b for b in saved_model["buffers"]}
+        missing += [f"buffer {n}" for n in sorted(set(mine_b) - set(saved_b))]
+        unexpected += [f"buffer {n}" for n in sorted(set(saved_b) - set(mine_b))]
+        shapes += [f"buffer {n}: saved {saved_b[n]['shape']} vs model {list(mine_b[n].shape)}"
+                   for n in sorted(set(mine_b) & set(saved_b)) if list(mine_b[n].shape) != saved_b[n]["shape"]]
     if missing or unexpected or shapes:
+        what = saved_model["class"] if saved_model else "another model"
         raise CheckpointError(
-            f"{directory} was saved from another model: "
+            f"{directory} was saved from another model ({what}; this one is {type(engine.model).__name__}): "
             + "; ".join(filter(None, [
                 f"missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}" if missing else "",
                 f"unexpected parameters {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}" if unexpected else "",
@@ -255,24 +519,31 @@ def _check_model(engine: "ZeroEngine", src: _Source, directory: Path) -> None:
 def read_manifest(directory: os.PathLike) -> Dict[str, Any]:
     directory = Path(directory)
     path = directory / MANIFEST
+    if not directory.is_dir():
+        olds = sorted(directory.parent.glob(f"{directory.name}.old-*")) if directory.parent.is_dir() else []
+        hint = f" ({olds[-1]} holds the checkpoint it replaced: a save was interrupted mid-rename)" if olds else ""
+        raise CheckpointError(f"{directory} does not exist{hint}")
     if not path.is_file():
         raise CheckpointError(f"{directory} is not an hf_zero checkpoint: {MANIFEST} is missing")
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
-    if manifest.get("format") != "hf_zero-sharded" or manifest.get("format_version", 0) > FORMAT_VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format") != "hf_zero-sharded" \
+            or manifest.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r} "
-                              f"v{manifest.get('format_version')}")
+                              f"v{manifest.get('format_version')}" if isinstance(manifest, dict) else
+                              f"{path}: not an hf_zero manifest")
     return manifest
 
 
 @torch.no_grad()
-def load_checkpoint(engine: "ZeroEngine", directory: os.PathLike) -> Dict[str, Any]:
-    """Collective. Restore weights, optimizer state and loss scale into `engine`, whatever world size or stage
-    the checkpoint was saved at. Returns the manifest."""
+def load_checkpoint(engine: "ZeroEngine", directory: os.PathLike, verify: bool = True) -> Dict[str, Any]:
+    """Collective. Restore weights, persistent buffers, optimizer state and loss scale into `engine`, whatever
+    world size or stage the checkpoint was saved at. Returns the manifest. `verify` checks each rank file read
+    against the manifest's SHA-256 (sizes are always checked)."""
     directory = Path(directory)
-    src = _Source(directory, read_manifest(directory))
+    src = _Source(directory, read_manifest(directory), verify=verify)
     _check_model(engine, src, directory)
     rank = engine.comm.rank
     engine.zero_grad()
@@ -286,23 +557,30 @@ def load_checkpoint(engine: "ZeroEngine", directory: os.PathLike) -> Dict[str, A
                 vals = src.read(slot.name, "values", a - slot.offset, b - slot.offset)
                 dst[a - lo:b - lo].copy_(vals)
         g.write_master_to_shard()
+    if src.m.get("model") is not None:
+        for b in src.m["model"]["buffers"]:
+            engine.model.get_buffer(b["name"]).copy_(src.buffer(b["name"]))
     # Optimizer state, segment by segment.
     opt = engine.optimizer
+    state_keys = {g["index"]: _keys(src, g, "state") for g in src.groups}
+    scalar_keys = {g["index"]: _keys(src, g, "scalar") for g in src.groups}
     for seg in opt.segments:
         g, slot = seg.group, seg.slot
         base = g.lo + seg.start - slot.offset
         state: Dict[str, Any] = {}
         sg, _ = src.where[slot.name]
-        for key in _saved_state_keys(src, sg):
+        for key in state_keys[sg["index"]]:
             v = src.read(slot.name, f"state.{key}", base, base + (seg.end - seg.start))
             if v is not None:
                 state[key] = v.to(device=seg.tensor.device, dtype=seg.tensor.dtype if v.is_floating_point() else v.dtype)
-        for key in _saved_scalar_keys(src, sg):
+        for key in scalar_keys[sg["index"]]:
             v = src.scalar(slot.name, key)
             if v is not None:
                 state[key] = torch.tensor(v, dtype=torch.float32)
         if state:
             opt.state[seg.tensor] = state
+        else:
+            opt.state.pop(seg.tensor, None)
     saved_groups = src.m["optimizer"]["param_groups"]
     if len(saved_groups) != len(opt.param_groups):
         raise CheckpointError(f"{directory}: {len(saved_groups)} optimizer parameter groups saved, the optimizer "
@@ -319,15 +597,15 @@ def load_checkpoint(engine: "ZeroEngine", directory: os.PathLike) -> Dict[str, A
     return src.m
 
 
-def _saved_state_keys(src: _Source, g: Dict[str, Any]) -> List[str]:
-    return _keys(src, g, "state")
-
-
-def _saved_scalar_keys(src: _Source, g: Dict[str, Any]) -> List[str]:
-    return _keys(src, g, "scalar")
-
-
 def _keys(src: _Source, g: Dict[str, Any], kind: str) -> List[str]:
+    """The optimizer-state keys saved for group `g`, from every rank file that holds a part of it (a rank whose
+    range holds no optimised parameter wrote none)."""
+    if f"{kind}_keys" in g:  # format 2 records them
+        return list(g[f"{kind}_keys"])
     prefix = f"g{g['index']}.{kind}."
-    f = src._open(_rank_file(0, src.world))
-    return sorted(k[len(prefix):] for k in f.keys() if k.startswith(prefix))
+    partitioned = g["shard_numel"] != g["padded_numel"]
+    keys = set()
+    for r in range(src.world if partitioned else 1):
+        f = src._open(_rank_file(r, src.world))
+        keys.update(k[len(prefix):] for k in f.keys() if k.startswith(prefix))
+    return sorted(keys)

@@ -1,0 +1,54 @@
+"""`hf-zero consolidate` and `hf-zero push`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_consolidate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a sharded checkpoint folder (engine.save_checkpoint)")
+    parser.add_argument("out_dir", help="where to write the save_pretrained layout (replaced atomically)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest output file, as save_pretrained's (default 5GB)")
+    parser.add_argument("--dtype", default=None, help="cast floating tensors: bf16, fp16, fp32 (default: as trained)")
+    parser.add_argument("--config", default=None,
+                        help="a folder with config.json (and generation_config.json) or a config JSON file "
+                             "(default: the config saved with the checkpoint)")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder to include")
+    parser.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the rank files")
+
+
+def run_consolidate(args: argparse.Namespace) -> int:
+    from .export import export_pretrained
+    from .sharded import CheckpointError
+
+    size = int(args.max_shard_size) if str(args.max_shard_size).isdigit() else args.max_shard_size
+    try:
+        out = export_pretrained(args.checkpoint, args.out_dir, model_config=args.config, tokenizer=args.tokenizer,
+                                max_shard_size=size, dtype=args.dtype, verify=not args.no_verify)
+    except (CheckpointError, FileNotFoundError, ValueError) as exc:
+        print(f"hf-zero consolidate: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+def add_push_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("folder", help="an exported model folder (hf-zero consolidate)")
+    parser.add_argument("repo_id", help="the Hub repository, e.g. user/my-model (created if missing)")
+    parser.add_argument("--private", action="store_true", help="create the repository private")
+    parser.add_argument("--message", default=None, help="the commit message")
+    parser.add_argument("--token", default=None, help="a Hub token (default: HF_TOKEN or the saved login)")
+
+
+def run_push(args: argparse.Namespace) -> int:
+    from .hub import DEFAULT_MESSAGE, push_to_hub
+    from .sharded import CheckpointError
+
+    try:
+        info = push_to_hub(args.folder, args.repo_id, token=args.token, private=args.private,
+                           commit_message=args.message or DEFAULT_MESSAGE)
+    except (CheckpointError, FileNotFoundError) as exc:
+        print(f"hf-zero push: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"pushed {args.folder} to {args.repo_id}: {getattr(info, 'commit_url', info)}")
+    return 0
