@@ -223,7 +223,9 @@ class ZeroEngine:
             local = torch.stack([s.abs().max().float() for s in shards]).max() if shards else torch.zeros(())
             op = dist.ReduceOp.MAX
         else:
-            local = sum((s.float().abs().pow(norm_type).sum() for s in shards), torch.zeros((), device=self.device))
+            acc = torch.promote_types(shards[0].dtype, torch.float32) if shards else torch.float32  # fp64 stays fp64
+            local = sum((s.to(acc).abs().pow(norm_type).sum() for s in shards),
+                        torch.zeros((), dtype=acc, device=self.device))
             op = dist.ReduceOp.SUM
         local = local.reshape(1).to(self.device)
         if self.config.stage >= 1:  # stage 0 holds the full, already averaged gradient on every rank
