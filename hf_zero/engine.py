@@ -280,6 +280,12 @@ class ZeroEngine:
 
         return load_checkpoint(self, directory)
 
+    def export_pretrained(self, out_dir: str, **kwargs) -> "os.PathLike":
+        """Collective: the consolidated `save_pretrained` layout of the model in `out_dir` (rank 0 writes)."""
+        from .checkpoint import export_pretrained
+
+        return export_pretrained(self, out_dir, **kwargs)
+
     # ------------------------------------------------------------------ introspection
     def comm_stats(self) -> Dict[str, Dict[str, int]]:
         """Cumulative calls, elements (paper counting) and bytes per collective kind, plus "total" (data only)."""

@@ -110,7 +110,7 @@ def trainer_ddp(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_trainer_matches_trainer_and_resumes(tmp_path, trainer_ddp, stage):
     out = tmp_path / "zero"
     accelerate_launch("trainer_train.py", 2, "--backend", "zero", "--stage", str(stage), "--out", str(out))
@@ -136,3 +136,69 @@ def test_zero_trainer_matches_trainer_and_resumes(tmp_path, trainer_ddp, stage):
     after = json.load(open(resumed / "log.json"))["losses"]
     torch.testing.assert_close(torch.tensor(after[-2:]), torch.tensor(full[-2:]), rtol=1e-5, atol=1e-6)
     assert_same_weights(resumed / "final" / "model.safetensors", out / "final" / "model.safetensors", rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ Hub pushes
+def _hub_env(hub, zero_yaml=None):
+    env = _env(zero_yaml)
+    env.update(HF_ENDPOINT=hub.url, HF_TOKEN="hf_dummy_token", HF_HUB_DISABLE_TELEMETRY="1",
+               HF_HUB_DISABLE_PROGRESS_BARS="1")
+    env.pop("HF_HUB_OFFLINE", None)
+    return env
+
+
+def _launch_env(script, env, *args):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           os.path.join(SCRIPTS, script), *args]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+
+
+def test_accelerator_save_model_and_push_to_hub_stage3(tmp_path):
+    """accelerator.save_model writes the consolidated weights of a stage-3 model; push_to_hub uploads an export
+    whose weights equal them, through the real huggingface_hub client to a local stand-in of the Hub."""
+    import io
+
+    from hub_server import HubServer
+    from safetensors.torch import load
+    from transformers import AutoModelForCausalLM
+
+    cfg = tmp_path / "zero.yaml"
+    cfg.write_text("zero:\n  stage: 3\n")
+    out = tmp_path / "run"
+    with HubServer() as hub:
+        _launch_env("accel_train.py", _hub_env(hub, cfg), "--backend", "zero", "--model", "llama", "--out", str(out),
+                    "--push", "me/tiny-llama")
+        received = hub.repos["me/tiny-llama"]
+        assert hub.unhandled == []
+    assert_same_weights(out / "saved" / "model.safetensors", out / "weights.safetensors", rtol=1e-7)
+    loaded = AutoModelForCausalLM.from_pretrained(out / "saved")
+    trained = load_file(out / "weights.safetensors")
+    for name, tensor in loaded.state_dict().items():
+        torch.testing.assert_close(tensor, trained[name], rtol=0, atol=0)
+    assert "config.json" in received and "model.safetensors" in received
+    pushed = load(received["model.safetensors"])
+    assert set(pushed) == set(trained)
+    for name in trained:
+        assert torch.equal(pushed[name], trained[name]), name
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_zero_trainer_push_to_hub(tmp_path, trainer_ddp, stage):
+    """ZeroTrainer.push_to_hub uploads full weights (gathered from the shards), equal to the stock Trainer's."""
+    from hub_server import HubServer
+    from safetensors.torch import load
+
+    out = tmp_path / "zero"
+    with HubServer() as hub:
+        _launch_env("trainer_train.py", _hub_env(hub), "--backend", "zero", "--stage", str(stage), "--out", str(out),
+                    "--push", "me/tiny-trainer")
+        received = hub.repos["me/tiny-trainer"]
+    assert_close_runs(out, trainer_ddp)
+    pushed = load(received["model.safetensors"])
+    ref = load_file(trainer_ddp / "final" / "model.safetensors")
+    assert set(pushed) == set(ref)
+    for name in ref:
+        err = ((pushed[name].double() - ref[name].double()).norm() / ref[name].double().norm()).item()
+        assert err < 1e-5, f"{name}: {err:.2e}"

@@ -181,6 +181,27 @@ class HfZeroAccelerator(Accelerator):
             return super().get_state_dict(model, unwrap=unwrap)
         return engine.full_state_dict()
 
+    def push_to_hub(self, model: nn.Module, repo_id: str, tokenizer: Any = None, private: bool = False,
+                    commit_message: str = "Upload model trained with hf_zero", token: Optional[str] = None,
+                    max_shard_size: str = "5GB", dtype: Any = None) -> Optional[str]:
+        """Collective: export the consolidated weights (gathered from the shards) and push them with the
+        huggingface_hub client from the main process. Returns the repo URL on the main process."""
+        import tempfile
+
+        from ..checkpoint import export_pretrained, push_to_hub
+
+        engine = self._engine_of(model)
+        if engine is None:
+            raise ValueError("push_to_hub needs a model prepared by this HfZeroAccelerator")
+        with tempfile.TemporaryDirectory(prefix="hf_zero_push_") as tmp:
+            path = export_pretrained(engine, os.path.join(tmp, "export"), tokenizer=tokenizer,
+                                     max_shard_size=max_shard_size, dtype=dtype, progress=self.is_main_process)
+            url = None
+            if self.is_main_process:
+                url = push_to_hub(path, repo_id, token=token, private=private, commit_message=commit_message)
+            self.wait_for_everyone()
+        return url
+
     # ---------------------------------------------------------------- training state
     @contextlib.contextmanager
     def _without(self, models: bool, optimizers: bool) -> Iterator[None]:

@@ -19,6 +19,7 @@ p.add_argument("--grad-accum", type=int, default=2)
 p.add_argument("--out", required=True)
 p.add_argument("--save-at", type=int, default=0, help="save_state after this many optimizer steps")
 p.add_argument("--resume", default=None, help="load_state from this folder and skip the steps it covers")
+p.add_argument("--push", default=None, help="accelerator.push_to_hub(model, REPO) at the end (hf_zero only)")
 args = p.parse_args()
 
 if args.backend == "zero":
@@ -71,6 +72,12 @@ for i, (x,) in enumerate(loader):
             if accelerator.is_main_process:
                 json.dump({"steps": done}, open(os.path.join(state_dir, "steps.json"), "w"))
 
+if args.backend == "zero":
+    accelerator.save_model(model, os.path.join(args.out, "saved"))  # consolidated, from the shards
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).config.save_pretrained(os.path.join(args.out, "saved"))
+    if args.push:
+        accelerator.push_to_hub(model, args.push, commit_message="pushed by accel_train")
 state = accelerator.get_state_dict(model)
 if accelerator.is_main_process:
     os.makedirs(args.out, exist_ok=True)

@@ -14,6 +14,7 @@ p.add_argument("--stage", type=int, default=2)
 p.add_argument("--out", required=True)
 p.add_argument("--max-steps", type=int, default=4)
 p.add_argument("--resume", default=None)
+p.add_argument("--push", default=None, help="hub_model_id: push_to_hub() at the end")
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -37,6 +38,9 @@ else:
     trainer = Trainer(model=model, args=targs, train_dataset=ds)
 trainer.train(resume_from_checkpoint=args.resume)
 trainer.save_model(os.path.join(args.out, "final"))
+if args.push:
+    trainer.args.hub_model_id = args.push
+    trainer.push_to_hub(commit_message="pushed by trainer_train")
 if trainer.args.should_save:
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
