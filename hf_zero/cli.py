@@ -22,7 +22,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     checkpoint_cli.add_consolidate_arguments(sub.add_parser(
         "consolidate", help="write the save_pretrained layout from a sharded checkpoint (offline, bounded memory)"))
     checkpoint_cli.add_push_arguments(sub.add_parser("push", help="upload an exported folder to the Hugging Face Hub"))
+    from . import estimate
+
+    estimate.add_arguments(sub.add_parser("estimate", help="model-state memory and communication per rank, stages 0-3"))
     args = parser.parse_args(argv)
+    if args.command == "estimate":
+        return estimate.run(args)
     if args.command == "consolidate":
         return checkpoint_cli.run_consolidate(args)
     if args.command == "push":
