@@ -125,11 +125,14 @@ def find_unit_modules(model: nn.Module, units: Optional[Sequence] = None) -> Lis
     return found
 
 
-def _unit_of(name: str, unit_names: List[str]) -> int:
-    """Index (1-based; 0 is the root) of the unit that holds the parameter `name`."""
-    for i, unit in enumerate(unit_names):
-        if name.startswith(unit + "."):
-            return i + 1
+def _unit_of(name: str, unit_index: Dict[str, int]) -> int:
+    """Index (1-based; 0 is the root) of the unit that holds the parameter `name`: look its module prefixes up
+    (depth lookups per name, not one scan of every unit, which made a 1T-parameter plan quadratic)."""
+    parts = name.split(".")
+    for depth in range(1, len(parts)):
+        index = unit_index.get(".".join(parts[:depth]))
+        if index is not None:
+            return index
     return 0
 
 
@@ -145,7 +148,7 @@ def plan_model(model: nn.Module, world_size: int, config: ZeroConfig) -> ShardPl
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     unit_modules = find_unit_modules(model, config.units)
-    unit_names = [n for n, _ in unit_modules]
+    unit_index = {n: i + 1 for i, (n, _) in enumerate(unit_modules)}
     units = [UnitPlan(0, "", type(model).__name__)] + [
         UnitPlan(i + 1, n, type(m).__name__) for i, (n, m) in enumerate(unit_modules)
     ]
@@ -158,13 +161,12 @@ def plan_model(model: nn.Module, world_size: int, config: ZeroConfig) -> ShardPl
     partition = 1 if config.stage == 0 else world_size
     # Bucket cap in elements, per compute dtype; stage 3 never splits a unit.
     groups: List[GroupPlan] = []
+    members_of: Dict[int, List[Tuple[nn.Parameter, List[str]]]] = {u.index: [] for u in units}
+    for p, names in params.values():
+        owners = {_unit_of(n, unit_index) for n in names}
+        members_of[owners.pop() if len(owners) == 1 else 0].append((p, names))
     for unit in units:
-        members = []
-        for p, names in params.values():
-            owners = {_unit_of(n, unit_names) for n in names}
-            owner = owners.pop() if len(owners) == 1 else 0
-            if owner == unit.index:
-                members.append((p, names))
+        members = members_of[unit.index]
         open_groups: Dict[Tuple[torch.dtype, bool], GroupPlan] = {}
         for p, names in members:
             dtype, trainable = compute_dtype_of(p, config), bool(p.requires_grad)
