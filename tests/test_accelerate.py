@@ -28,9 +28,18 @@ def _env(zero_yaml=None):
     return env
 
 
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def accelerate_launch(script, nproc, *args, zero_yaml=None, timeout=600):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()),
            os.path.join(SCRIPTS, script), *args]
     res = subprocess.run(cmd, env=_env(zero_yaml), capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
@@ -94,7 +103,8 @@ def test_torchrun_gives_one_gloo_world(tmp_path):
         "a = HfZeroAccelerator()\n"
         "print(json.dumps({'rank': a.process_index, 'n': a.num_processes, 'dist': dist.get_world_size()}))\n"
     )
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(_free_port()), str(script)],
                          env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     seen = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
@@ -150,7 +160,7 @@ def _hub_env(hub, zero_yaml=None):
 def _launch_env(script, env, *args):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           os.path.join(SCRIPTS, script), *args]
+           "--main_process_port", str(_free_port()), os.path.join(SCRIPTS, script), *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
 

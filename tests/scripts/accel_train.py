@@ -87,3 +87,7 @@ if accelerator.is_main_process:
         json.dump({"losses": losses, "norms": norms, "num_processes": accelerator.num_processes,
                    "lr": scheduler.get_last_lr()}, f)
 accelerator.end_training()
+# Close the process group before exit: gloo's threads abort the interpreter now and then when it is left alive
+# (seen with stock Accelerate too; HfZeroAccelerator closes it at exit by itself).
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()

@@ -46,3 +46,7 @@ if trainer.args.should_save:
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     with open(os.path.join(args.out, "log.json"), "w") as f:
         json.dump({"losses": losses, "norms": norms, "world": trainer.args.world_size}, f)
+# Close the process group before exit: gloo's threads abort the interpreter now and then when it is left alive
+# (seen with stock Accelerate too; HfZeroAccelerator closes it at exit by itself).
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
