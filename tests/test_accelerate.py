@@ -95,19 +95,23 @@ def test_save_state_load_state_resumes_exactly(tmp_path, stage):
 
 def test_torchrun_gives_one_gloo_world(tmp_path):
     """A plain Accelerator() under torchrun on a CPU machine runs N one-process worlds; HfZeroAccelerator must not."""
-    script = tmp_path / "world.py"
+    script, reports = tmp_path / "world.py", tmp_path / "reports"
+    reports.mkdir()
     script.write_text(
         "import json, os, sys\n"
         "import torch.distributed as dist\n"
         "from hf_zero import HfZeroAccelerator\n"
         "a = HfZeroAccelerator()\n"
-        "print(json.dumps({'rank': a.process_index, 'n': a.num_processes, 'dist': dist.get_world_size()}))\n"
+        "info = {'rank': a.process_index, 'n': a.num_processes, 'dist': dist.get_world_size()}\n"
+        "open(os.path.join(sys.argv[1], f'rank{a.process_index}.json'), 'w').write(json.dumps(info))\n"
+        "dist.destroy_process_group()\n"
+        "os._exit(0)  # gloo's threads now and then abort interpreter teardown; the report is written\n"
     )
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(_free_port()), str(script)],
+                          "--master_port", str(_free_port()), str(script), str(reports)],
                          env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    seen = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    seen = [json.loads(p.read_text()) for p in sorted(reports.iterdir())]
     assert sorted(s["rank"] for s in seen) == [0, 1]
     assert all(s["n"] == 2 and s["dist"] == 2 for s in seen)
 

@@ -43,6 +43,8 @@ PROBE = textwrap.dedent("""
     })
     with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f:  # one file per process
         f.write(report)
+    dist.destroy_process_group()
+    os._exit(0)  # torch's gloo/store threads now and then abort interpreter teardown; the report is written
 """)
 
 
