@@ -129,6 +129,7 @@ def export_failure(rank, world_size, root):
             st.save_file = real
         after = {f: open(os.path.join(target, f), "rb").read() for f in os.listdir(target)}
         leftovers = sorted(os.listdir(os.path.dirname(target)))
+        dist.barrier()  # rank 0 makes the next export's temporary folder before its first collective
         export_pretrained(engine, target, max_shard_size=SMALL, progress=False)  # still in step
         changed = {f: open(os.path.join(target, f), "rb").read() for f in os.listdir(target)} != before
         out = {"error": err, "unchanged": after == before, "leftovers": leftovers, "changed": changed}
