@@ -47,6 +47,11 @@ class BufferPool:
         return self.live_bytes + sum(b.numel() * b.element_size() for bs in self._free.values() for b in bs)
 
 
+def _host_pinned(t: torch.Tensor, compute_device: torch.device) -> torch.Tensor:
+    """A host tensor that copies to/from an accelerator asynchronously (page-locked); unchanged otherwise."""
+    return t.pin_memory() if t.device.type == "cpu" and compute_device.type != "cpu" else t
+
+
 def _bytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -64,7 +69,8 @@ class FlatGroup:
 
     def __init__(self, plan: GroupPlan, params: List[nn.Parameter], stage: int, rank: int,
                  device: torch.device, master_dtype: Optional[torch.dtype], master_device: torch.device,
-                 accum_dtype: torch.dtype, full_values: torch.Tensor, shard_device: torch.device) -> None:
+                 accum_dtype: torch.dtype, full_values: torch.Tensor, shard_device: torch.device,
+                 offload_master: bool = False) -> None:
         self.plan, self.params, self.stage, self.rank = plan, params, stage, rank
         self.device = device
         self.lo, self.hi = plan.owned_range(rank)
@@ -76,7 +82,8 @@ class FlatGroup:
             # Stage 3: `full` keeps one storage for the group's whole life; it is resized to zero bytes when the
             # unit is released and back when it is gathered. Parameters and any views autograd saved of them
             # (F.linear saves weight.t()) therefore see the re-gathered values in the backward.
-            self.shard = full_values[self.lo:self.hi].to(device=shard_device, dtype=plan.dtype).clone()
+            self.shard = _host_pinned(full_values[self.lo:self.hi].to(device=shard_device, dtype=plan.dtype).clone(),
+                                      device)
             self.full = torch.empty(plan.padded_numel, dtype=plan.dtype, device=device)
         self.point_params(self.full)
         if stage == 3:
@@ -85,10 +92,11 @@ class FlatGroup:
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_shard: Optional[torch.Tensor] = None
         if plan.trainable:
-            if master_dtype == plan.dtype and master_device == self.shard.device:
+            if master_dtype == plan.dtype and master_device == self.shard.device and not offload_master:
                 self.master = self.shard
-            else:
-                self.master = full_values[self.lo:self.hi].to(device=master_device, dtype=master_dtype).clone()
+            else:  # ZeRO-Offload keeps its own host copy, the step's input and output (pinned for async copies)
+                self.master = _host_pinned(
+                    full_values[self.lo:self.hi].to(device=master_device, dtype=master_dtype).clone(), device)
             if stage < 2:
                 self.grad_full = torch.zeros(plan.padded_numel, dtype=accum_dtype, device=device)
                 self.grad_shard = self.grad_full[self.lo:self.hi]

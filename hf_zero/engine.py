@@ -140,7 +140,7 @@ class ZeroEngine:
             low = gp.dtype.is_floating_point and torch.finfo(gp.dtype).bits < 32
             accum = torch.float32 if (cfg.grad_accum_dtype == "fp32" and low) else gp.dtype
             groups.append(FlatGroup(gp, members, cfg.stage, rank, self.device, master_dtype, master_device, accum,
-                                    full, shard_device))
+                                    full, shard_device, offload_master=cfg.offload_optimizer == "cpu"))
             del full
         return groups
 
@@ -295,8 +295,9 @@ class ZeroEngine:
         self.comm.reset_stats()
 
     def memory_stats(self) -> Dict[str, int]:
-        """Bytes of model states this rank holds (params, grads, master, optimizer_states), plus buffers (module
-        buffers, pooled buckets and gathered parameters) and the total."""
+        """Bytes of model states this rank holds (params, grads, master, optimizer_states; `offloaded`: the part of
+        them kept in host memory), plus buffers (module buffers, pooled buckets and gathered parameters) and the
+        total."""
         out = {"params": 0, "grads": 0, "master": 0}
         for g in self.groups:
             for k, v in g.state_bytes().items():
@@ -310,6 +311,10 @@ class ZeroEngine:
                     opt += v.numel() * v.element_size()
         out["optimizer_states"] = opt
         out["model_states"] = out["params"] + out["grads"] + out["master"] + opt
+        # ZeRO-Offload: the model states placed in host memory by the config (master + optimizer states; the
+        # parameter shards too with offload_params), whatever the compute device is
+        out["offloaded"] = (out["master"] + opt if self.config.offload_optimizer == "cpu" else 0) + (
+            out["params"] if self.config.offload_params == "cpu" else 0)
         out["module_buffers"] = sum(b.numel() * b.element_size() for b in self.model.buffers())
         out["comm_buffers"] = self.pool.reserved_bytes
         out["gathered_params"] = sum(g.gathered_bytes for g in self.groups)

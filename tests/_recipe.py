@@ -70,7 +70,8 @@ def reference_train(kind: str, variant: str = "full", steps: int = STEPS, accum:
 def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", stage: int = 2,
                  steps: int = STEPS, accum: int = ACCUM, mixed_precision: str = "no",
                  grad_accum_dtype: str = "fp32", checkpointing: bool = False, bucket_size: Optional[int] = None,
-                 probe_step: Optional[int] = None) -> Dict[str, Any]:
+                 probe_step: Optional[int] = None, zero_checkpointing: Optional[tuple] = None,
+                 offload_optimizer: str = "none", offload_params: str = "none") -> Dict[str, Any]:
     """The recipe through hf_zero on this rank.  Records per-step comm_stats (reset at each step's start, read
     after optimizer.step/zero_grad); at `probe_step` (0-based), after the last backward and before clipping,
     records memory_stats and independent byte counts of the tensors the engine holds."""
@@ -81,6 +82,10 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
     init_fp = models.param_fingerprint(model)
     if checkpointing:
         models.enable_checkpointing(model)
+    if zero_checkpointing is not None:  # (mode, cpu): hf_zero's own checkpoint function
+        from hf_zero.activations import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model, *zero_checkpointing)
     # Calls of a module inside each decoder layer: 1 per micro-batch, 2 with activation checkpointing (the backward
     # recomputes the layer's forward; transformers checkpoints `forward`, so the layer's own hooks run only once).
     layer_calls = [0]
@@ -90,7 +95,8 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
         inner.register_forward_pre_hook(lambda *_: layer_calls.__setitem__(0, layer_calls[0] + 1))
     opt = models.make_optimizer(model)
     kw = {} if bucket_size is None else {"reduce_bucket_size": bucket_size, "allgather_bucket_size": bucket_size}
-    cfg = ZeroConfig(stage=stage, mixed_precision=mixed_precision, grad_accum_dtype=grad_accum_dtype, **kw)
+    cfg = ZeroConfig(stage=stage, mixed_precision=mixed_precision, grad_accum_dtype=grad_accum_dtype,
+                     offload_optimizer=offload_optimizer, offload_params=offload_params, **kw)
     engine = shard_model(model, opt, cfg)
     out: Dict[str, Any] = {"init_fp": init_fp, "same_model": engine.model is model, "losses": [], "norms": [],
                            "norm_is_tensor": [], "comm": [], "memory": None}

@@ -194,7 +194,10 @@ def test_interactive_pty_with_accelerate_menus(tmp_path):
         child.expect("mixed precision"); child.send("2" + enter)  # the number key: bf16
         child.expect("ZeRO stage"); child.send("9" + enter)
         child.expect("stage must be one of 0, 1, 2, 3"); child.expect("ZeRO stage"); child.send("2" + enter)
-        for prompt in ("Offload optimizer", "Activation checkpointing", "cpu checkpointing", "Reduce", "All-gather"):
+        child.expect("Offload optimizer"); child.send(enter)
+        child.expect("Activation checkpointing"); child.send("on" + enter)
+        child.expect("cpu checkpointing"); child.send("yes" + enter)  # asked only when checkpointing is on
+        for prompt in ("Reduce", "All-gather"):
             child.expect(prompt); child.send(enter)
         child.expect(pexpect.EOF)
     finally:
@@ -203,7 +206,8 @@ def test_interactive_pty_with_accelerate_menus(tmp_path):
     data = yaml.safe_load(acc.read_text())
     assert (data["distributed_type"], data["use_cpu"], data["num_processes"], data["mixed_precision"]) == (
         "MULTI_GPU", True, 2, "bf16")
-    assert ZeroPlugin.from_yaml(zero).stage == 2
+    plugin = ZeroPlugin.from_yaml(zero)
+    assert (plugin.stage, plugin.activation_checkpointing, plugin.cpu_checkpointing) == (2, "on", True)
 
 
 def test_input_ending_early_writes_nothing(tmp_path):

@@ -94,8 +94,10 @@ class HfZeroAccelerator(Accelerator):
             from ..activations import enable_activation_checkpointing
 
             enable_activation_checkpointing(model, self.zero_plugin.activation_checkpointing,
-                                            self.zero_plugin.cpu_checkpointing)
-        engine = shard_model(model, optimizer, self.zero_config, device=self.device)
+                                            self.zero_plugin.cpu_checkpointing,
+                                            self.zero_plugin.model_parallel_group)
+        engine = shard_model(model, optimizer, self.zero_config, process_group=self.zero_plugin.data_parallel_group,
+                             device=self.device)
         self.zero_engines.append(engine)
         return engine
 

@@ -98,12 +98,7 @@ def _yes_no(name: str) -> Callable[[str], bool]:
     return parse
 
 
-def _parse_cpu_checkpointing(text: str) -> bool:
-    if _yes_no("cpu checkpointing")(text):
-        raise argparse.ArgumentTypeError("cpu checkpointing is not available in this version of hf_zero yet; "
-                                         "answer no")
-    return False
-
+_parse_cpu_checkpointing = _yes_no("cpu checkpointing")
 
 _parse_stage = _choice(STAGES, "stage", int)
 _parse_offload_optimizer = _choice(OFFLOAD, "offload optimizer")
@@ -200,8 +195,11 @@ def _ask_zero(args: argparse.Namespace, defaults: Dict[str, Any], interactive: b
     elif "offload_params" not in given:
         values["offload_params"] = "none"
     q("activation_checkpointing", "Activation checkpointing? (off/on/partitioned)", _parse_checkpointing)
-    q("cpu_checkpointing", "Keep activation checkpoints in CPU memory (cpu checkpointing)? (yes/no)",
-      _parse_cpu_checkpointing, "yes" if values["cpu_checkpointing"] else "no")
+    if values["activation_checkpointing"] != "off":
+        q("cpu_checkpointing", "Keep activation checkpoints in CPU memory (cpu checkpointing)? (yes/no)",
+          _parse_cpu_checkpointing, "yes" if values["cpu_checkpointing"] else "no")
+    elif "cpu_checkpointing" not in given:
+        values["cpu_checkpointing"] = False
     q("reduce_bucket_size", "Reduce (gradient) bucket size in bytes", _parse_reduce)
     q("allgather_bucket_size", "All-gather bucket size in bytes", _parse_allgather)
     if values["stage"] == 3:
@@ -527,7 +525,7 @@ def _indent(text: str) -> str:
 
 
 def _describe_plugin(plugin: Any) -> str:
-    return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(plugin).items())
+    return ", ".join(f"{k}={v}" for k, v in plugin.to_dict().items())
 
 
 def _print_reader_hint(zero_path: Path) -> None:
@@ -571,12 +569,9 @@ def write(args: argparse.Namespace) -> int:
         raise ConfigUsageError(str(exc)) from None
 
     notes = _machine_notes(accel, machine)
-    if plugin.cpu_checkpointing:
-        notes.append("cpu_checkpointing is written, but this version of hf_zero does not implement it yet: "
-                     "HfZeroAccelerator will raise NotImplementedError at prepare()")
     if plugin.activation_checkpointing == "partitioned":
-        notes.append("activation_checkpointing 'partitioned' needs a model-parallel group; with pure data "
-                     "parallelism it runs as plain checkpointing ('on')")
+        notes.append("activation_checkpointing 'partitioned' splits checkpoints across a model-parallel (tensor-"
+                     "parallel) group; with pure data parallelism there is none and it runs as 'on' (said in the log)")
 
     acc_text = _accelerate_text(accel, acc_path)
     _write_atomic(acc_path, acc_text)

@@ -19,6 +19,7 @@ from ..config import ZeroConfig, ZeroConfigError
 
 CONFIG_ENV = "HF_ZERO_CONFIG_FILE"
 _CHECKPOINTING = ("off", "on", "partitioned")
+_NOT_IN_YAML = ("model_parallel_group", "data_parallel_group")
 
 
 def default_config_path() -> Path:
@@ -40,7 +41,9 @@ class ZeroPlugin:
         prefetch: stage 3 units gathered ahead.
         offload_optimizer: "none" | "cpu". offload_params: "none" | "cpu" (stage 3 only).
         activation_checkpointing: "off" | "on" | "partitioned" (P_a; needs a model-parallel group).
-        cpu_checkpointing: keep activation checkpoints in CPU memory (P_a+cpu).
+        cpu_checkpointing: keep activation checkpoints in CPU memory (P_a+cpu); needs activation checkpointing.
+        model_parallel_group: the tensor-parallel process group P_a partitions checkpoints across; with it, give
+            data_parallel_group, the group ZeRO shards over (default: all ranks). Runtime objects, not in YAML.
         grad_accum_dtype: "fp32" | "compute".
         debug_collectives: check every collective's fingerprint across ranks (raises instead of hanging).
     """
@@ -55,6 +58,8 @@ class ZeroPlugin:
     cpu_checkpointing: bool = False
     grad_accum_dtype: str = "fp32"
     debug_collectives: bool = False
+    model_parallel_group: Optional[Any] = dataclasses.field(default=None, repr=False, compare=False)
+    data_parallel_group: Optional[Any] = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.activation_checkpointing in (False, None):
@@ -67,9 +72,9 @@ class ZeroPlugin:
             )
         if not isinstance(self.cpu_checkpointing, bool):
             raise ZeroConfigError(f"cpu_checkpointing={self.cpu_checkpointing!r}; allowed: true or false")
-        if self.cpu_checkpointing:
-            raise ZeroConfigError("cpu_checkpointing=true is not available in this version of hf_zero yet; set it "
-                                  "to false (activation checkpoints stay on the compute device)")
+        if self.cpu_checkpointing and self.activation_checkpointing == "off":
+            raise ZeroConfigError("cpu_checkpointing=true keeps activation checkpoints in CPU memory, so it needs "
+                                  "activation_checkpointing 'on' or 'partitioned'; got 'off'")
         self.to_zero_config("no")  # validates every engine option now, with the engine's messages
 
     def to_zero_config(self, mixed_precision: str) -> ZeroConfig:
@@ -84,7 +89,7 @@ class ZeroPlugin:
     # ---------------------------------------------------------------- files
     @classmethod
     def from_dict(cls, values: Dict[str, Any], source: str = "hf_zero.yaml") -> "ZeroPlugin":
-        known = [f.name for f in dataclasses.fields(cls)]
+        known = [f.name for f in dataclasses.fields(cls) if f.name not in _NOT_IN_YAML]
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise ZeroConfigError(f"{source}: unknown key(s) {unknown}; allowed keys: {', '.join(known)}")
@@ -121,13 +126,17 @@ class ZeroPlugin:
         path = default_config_path()
         return cls.from_yaml(path) if path.is_file() else cls()
 
+    def to_dict(self) -> Dict[str, Any]:
+        """The settings hf_zero.yaml holds (a process group is a runtime object, never written)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_IN_YAML}
+
     def to_yaml(self, path: os.PathLike) -> None:
         """Write atomically (a crash never leaves a half-written config)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         with open(tmp, "w") as f:
-            f.write(yaml.safe_dump({"zero": dataclasses.asdict(self)}, sort_keys=False))
+            f.write(yaml.safe_dump({"zero": self.to_dict()}, sort_keys=False))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
