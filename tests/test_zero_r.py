@@ -98,3 +98,213 @@ def test_checkpointing_matches_plain_training(dist_results, name, stage):
     calls = [res["layer_calls_per_micro_batch"] for res in ranks]
     assert calls == [2.0] * WORLD, f"decoder layers ran {calls} times per micro-batch: no recomputation"
     check_against_reference(ranks, reference_train(_kind(stage, i), "full", STEPS, ACCUM), WORLD)
+
+
+# ------------------------------------------------------------------------------------- P_a with tensor parallelism
+# World 4 = 2 data-parallel x 2 tensor-parallel ranks. A Megatron-style stack (column-parallel fc1, row-parallel fc2)
+# whose TP shards are slices of a dense model; ZeRO shards over the data-parallel group, P_a over the TP group.
+TP_WORLD, TP = 4, 2
+TP_STEPS, TP_ACCUM, TP_ROWS, TP_SEQ = 3, 2, 4, 6  # rows of the global micro-batch
+VOCAB, HIDDEN, FFN, LAYERS = 32, 8, 16, 3
+TP_CASES = {"s1": (1, False), "s2": (2, False), "s2-cpu": (2, True), "s3": (3, False)}
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's f: identity forward; the backward sums the TP ranks' input gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's g: the forward sums the TP ranks' partial outputs; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class Block(torch.nn.Module):
+    """x + fc2(gelu(fc1(ln(x)))) + b2, with fc1 split by rows and fc2 by columns over `group` (None: dense).
+    Follows Transformers' checkpointing convention, so hf_zero's enable_activation_checkpointing covers it."""
+
+    gradient_checkpointing = False
+
+    def __init__(self, group=None, parts=1):
+        super().__init__()
+        self.group = group
+        self.ln = torch.nn.LayerNorm(HIDDEN)
+        self.fc1 = torch.nn.Linear(HIDDEN, FFN // parts)
+        self.fc2 = torch.nn.Linear(FFN // parts, HIDDEN, bias=False)
+        self.b2 = torch.nn.Parameter(torch.zeros(HIDDEN))
+
+    def _block(self, x):
+        y = self.ln(x)
+        if self.group is not None:
+            y = _CopyToTP.apply(y, self.group)
+        y = self.fc2(torch.nn.functional.gelu(self.fc1(y)))
+        if self.group is not None:
+            y = _ReduceFromTP.apply(y, self.group)
+        return x + y + self.b2
+
+    def forward(self, x):
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return self._gradient_checkpointing_func(self._block, x)
+        return self._block(x)
+
+
+class TPModel(torch.nn.Module):
+    def __init__(self, group=None, parts=1):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = torch.nn.ModuleList(Block(group, parts) for _ in range(LAYERS))
+        self.head = torch.nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for blk in self.blocks:
+            h = blk(h)
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def dense_model():
+    torch.manual_seed(5)
+    model = TPModel()
+    with torch.no_grad():
+        for blk in model.blocks:
+            blk.b2.normal_(0, 0.1)
+    return model
+
+
+def tp_slice(name, tensor, t):
+    """The TP rank `t`'s piece of a dense parameter (fc1: rows; fc2: columns; the rest replicated)."""
+    f = FFN // TP
+    if ".fc1." in name:
+        return tensor[t * f:(t + 1) * f]
+    if ".fc2." in name:
+        return tensor[:, t * f:(t + 1) * f]
+    return tensor
+
+
+def tp_batches():
+    gen = torch.Generator().manual_seed(11)
+    return [[torch.randint(0, VOCAB, (TP_ROWS, TP_SEQ), generator=gen) for _ in range(TP_ACCUM)]
+            for _ in range(TP_STEPS)]
+
+
+def _tp_optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def tp_train(rank, world_size, stage, cpu):
+    import torch.distributed as dist
+    from hf_zero import ZeroConfig, shard_model
+    from hf_zero.activations import enable_activation_checkpointing
+
+    t, d = rank % TP, rank // TP
+    tp_groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world_size // TP)]
+    dp_groups = [dist.new_group([j, j + TP]) for j in range(TP)]
+    tp, dp = tp_groups[d], dp_groups[t]
+    dense = dense_model()
+    model = TPModel(tp, TP)
+    with torch.no_grad():
+        for (name, p), q in zip(model.named_parameters(), dense.parameters()):
+            p.copy_(tp_slice(name, q, t))
+    out = {"saved": {}}
+    # bytes the block stack saves for backward, counted from outside (P_a hands its pieces on to outer hooks)
+    for mode in ("on", "partitioned"):
+        enable_activation_checkpointing(model, mode, cpu, model_parallel_group=tp)
+        nbytes, devices = [0], set()
+
+        def pack(x):
+            nbytes[0] += x.numel() * x.element_size()
+            devices.add(str(x.device))
+            return x
+
+        h = model.embed(tp_batches()[0][0])
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            for blk in model.blocks:
+                h = blk(h)
+        h.sum().backward()
+        model.zero_grad(set_to_none=True)
+        out["saved"][mode] = {"bytes": nbytes[0], "devices": sorted(devices)}
+    enable_activation_checkpointing(model, "partitioned", cpu, model_parallel_group=tp)
+    engine = shard_model(model, _tp_optimizer(model), ZeroConfig(stage=stage, units=[Block]), process_group=dp)
+    losses = []
+    for step in tp_batches():
+        total = 0.0
+        for mb in step:
+            x = mb[d * (TP_ROWS // 2):(d + 1) * (TP_ROWS // 2)]
+            loss = engine.model(x)
+            engine.backward(loss / TP_ACCUM)
+            total += loss.item() / TP_ACCUM
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+        losses.append(total)
+    sd = engine.full_state_dict()
+    out.update(losses=losses, state={k: v.clone() for k, v in sd.items()} if d == 0 else None)
+    engine.close()
+    return out
+
+
+def tp_reference():
+    model = dense_model()
+    opt = _tp_optimizer(model)
+    losses = []
+    for step in tp_batches():
+        total = 0.0
+        for mb in step:
+            loss = model(mb)
+            (loss / TP_ACCUM).backward()
+            total += loss.item() / TP_ACCUM
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+_base_scenarios = scenarios_for
+
+
+def scenarios_for(world_size):  # noqa: F811 - the TP world adds its own scenarios
+    if world_size == TP_WORLD:
+        return [(f"tp-{name}", tp_train, dict(stage=s, cpu=cpu)) for name, (s, cpu) in TP_CASES.items()]
+    return _base_scenarios(world_size)
+
+
+@pytest.mark.parametrize("name", list(TP_CASES))
+def test_partitioned_checkpoints_with_tensor_parallelism(dist_results, name):
+    ranks = dist_results(TP_WORLD, f"tp-{name}")
+    cpu = TP_CASES[name][1]
+    # saved checkpoints per rank: one layer input (rows x seq x hidden fp32) per block, split in TP pieces by P_a
+    full = LAYERS * TP_ROWS * TP_SEQ * HIDDEN * 4
+    for r, res in enumerate(ranks):
+        assert res["saved"]["on"]["bytes"] == full, (r, res["saved"])
+        assert res["saved"]["partitioned"]["bytes"] * TP == full, (r, res["saved"])
+        if cpu:
+            assert res["saved"]["partitioned"]["devices"] == ["cpu"]
+    ref_losses, ref_state = tp_reference()
+    for t in range(TP):  # each data-parallel rank reports its half's mean: the global mean is their average
+        mean = (torch.tensor(ranks[t]["losses"]) + torch.tensor(ranks[t + TP]["losses"])) / 2
+        torch.testing.assert_close(mean, torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for t in range(TP):  # data-parallel rank 0 of each TP rank holds that TP shard's full state
+        got = ranks[t]["state"]
+        assert got is not None and set(got) == set(ref_state)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(got[k], tp_slice(k, v, t), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, k=k, t=t: f"TP rank {t}: {k} differs from the dense run\n{m}")
