@@ -13,9 +13,10 @@ from .planning import GroupPlan
 
 class BufferPool:
     """Hands out flat buffers by (numel, dtype, device) and takes them back, so steady-state steps allocate
-    nothing new. Tracks live and peak bytes for memory_stats()."""
+    nothing new (M_D). It keeps what it handed out at its busiest moment, which the reducer bounds (C_B: bytes of
+    buckets in flight). Tracks live and peak bytes for memory_stats()."""
 
-    def __init__(self, keep_free: int = 1) -> None:
+    def __init__(self, keep_free: Optional[int] = None) -> None:
         self.keep_free = keep_free
         self._free: Dict[Tuple[int, torch.dtype, torch.device], List[torch.Tensor]] = defaultdict(list)
         self.live_bytes = 0
@@ -38,7 +39,7 @@ class BufferPool:
     def give(self, buf: torch.Tensor) -> None:
         self.live_bytes -= buf.numel() * buf.element_size()
         free = self._free[(buf.numel(), buf.dtype, buf.device)]
-        if len(free) < self.keep_free:  # keep one spare per size for the next bucket; let the rest go
+        if self.keep_free is None or len(free) < self.keep_free:
             free.append(buf)
 
     @property

@@ -316,7 +316,10 @@ class ZeroEngine:
         out["offloaded"] = (out["master"] + opt if self.config.offload_optimizer == "cpu" else 0) + (
             out["params"] if self.config.offload_params == "cpu" else 0)
         out["module_buffers"] = sum(b.numel() * b.element_size() for b in self.model.buffers())
-        out["comm_buffers"] = self.pool.reserved_bytes
+        out["comm_buffers"] = self.pool.reserved_bytes  # C_B: gradient buckets and reduce-scatter outputs, reused
+        out["comm_buffers_peak"] = self.pool.peak_bytes
+        out["comm_buffer_allocations"] = self.pool.allocations  # M_D: stops growing after the first step
+        out["gathered_params_peak"] = self.gatherer.peak_gathered_bytes if self.gatherer is not None else 0
         out["gathered_params"] = sum(g.gathered_bytes for g in self.groups)
         out["buffers"] = out["module_buffers"] + out["comm_buffers"] + out["gathered_params"]
         out["total"] = out["model_states"] + out["buffers"]

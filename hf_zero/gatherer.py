@@ -64,6 +64,7 @@ class Unit:
         g = self.gatherer
         for group in self.groups:
             full = group.alloc_full()
+            g.count_gathered(group.gathered_bytes)
             local = full[group.lo:group.hi]
             local.copy_(group.shard, non_blocking=True)  # from CPU when parameters are offloaded
             self.handles.append(g.comm.all_gather(full, local, f"params of unit {self.name}"))
@@ -84,6 +85,7 @@ class Unit:
             return
         self.wait_gather()  # a prefetch that was never used still has to complete
         for group in self.groups:
+            self.gatherer.count_gathered(-group.gathered_bytes)
             group.free_full()
         self.state = Unit.SHARDED
 
@@ -124,6 +126,7 @@ class Gatherer:
         self.order: List[Unit] = []  # forward execution order, recorded on the first forward
         self._recording = True
         self.by_group: Dict[int, Unit] = {id(g): u for u in units for g in u.groups}
+        self.gathered_bytes = self.peak_gathered_bytes = 0  # full parameters materialised now / at most
         self._hooks = []
         for unit in units:
             self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit), with_kwargs=True))
@@ -187,6 +190,10 @@ class Gatherer:
             return None
 
         return post_forward
+
+    def count_gathered(self, nbytes: int) -> None:
+        self.gathered_bytes += nbytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def on_group_launched(self, group: FlatGroup) -> None:
         unit = self.by_group.get(id(group))

@@ -6,6 +6,7 @@ GPT-2 (tied) or Llama (untied), 4 AdamW steps x 3 accumulated micro-batches, cli
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import models
 from _dist import DistResults
@@ -281,7 +282,10 @@ def tp_reference():
 _base_scenarios = scenarios_for
 
 
-def scenarios_for(world_size):  # noqa: F811 - the TP world adds its own scenarios
+def scenarios_for(world_size):  # noqa: F811 - the TP and C_B worlds add their own scenarios
+    if world_size == CB_WORLD:
+        return [(f"cb-s{stage}-l{layers}", cb_train, dict(stage=stage, layers=layers))
+                for stage in (2, 3) for layers in CB_LAYERS]
     if world_size == TP_WORLD:
         return [(f"tp-{name}", tp_train, dict(stage=s, cpu=cpu)) for name, (s, cpu) in TP_CASES.items()]
     return _base_scenarios(world_size)
@@ -308,3 +312,87 @@ def test_partitioned_checkpoints_with_tensor_parallelism(dist_results, name):
         for k, v in ref_state.items():
             torch.testing.assert_close(got[k], tp_slice(k, v, t), rtol=1e-5, atol=1e-6,
                                        msg=lambda m, k=k, t=t: f"TP rank {t}: {k} differs from the dense run\n{m}")
+
+
+# ------------------------------------------------------------------------------------------------------ C_B and M_D
+CB_WORLD, CB_LAYERS, CB_BUCKET = 2, (4, 12), 16 * 1024
+
+
+class _FlatAllocations(TorchDispatchMode):
+    """Records every 1-D tensor of at least 512 elements that any torch op allocates (flat buckets and buffers;
+    parameter gradients and activations are n-D)."""
+
+    FACTORIES = (torch.ops.aten.empty.memory_format, torch.ops.aten.zeros.default,
+                 torch.ops.aten.empty_strided.default)
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.FACTORIES and out.dim() == 1 and out.numel() >= 512:
+            self.nbytes.append(out.numel() * out.element_size())
+        return out
+
+
+def cb_train(rank, world_size, stage, layers):
+    """GPT-2 widths of models.py with `layers` blocks; per step: flat allocations, the engine's reported buffer
+    bytes, and the largest total of materialised parameter storage seen from the model's own parameters."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_zero import ZeroConfig, shard_model
+
+    config = models._config("gpt2")
+    config.n_layer = layers
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    params = list(model.parameters())
+    seen = [0]
+
+    def observe(*_):
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+        seen[0] = max(seen[0], sum(storages.values()))
+
+    for m in model.modules():
+        m.register_forward_pre_hook(observe)
+        m.register_forward_hook(observe)
+    for p in params:
+        p.register_hook(lambda g: observe() or g)
+    engine = shard_model(model, models.make_optimizer(model), ZeroConfig(stage=stage, reduce_bucket_size=CB_BUCKET))
+    steps = []
+    for step in models.make_batches(3, 2):
+        seen[0] = 0
+        allocs = _FlatAllocations()
+        with allocs:
+            for mb in step:
+                x = models.rank_slice(mb, rank, world_size)
+                engine.backward(engine.model(input_ids=x, labels=x).loss)
+            engine.optimizer.step()
+            engine.optimizer.zero_grad()
+        stats = engine.memory_stats()
+        steps.append({"flat_allocs": allocs.nbytes, "param_storage_peak": seen[0],
+                      **{k: stats[k] for k in ("comm_buffers", "comm_buffer_allocations", "gathered_params_peak")}})
+    engine.close()
+    return steps
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_constant_buffers_and_no_allocations_after_the_first_step(dist_results, stage):
+    """C_B: buckets and gather buffers do not grow with the model (4 vs 12 blocks of the same width); M_D: after the
+    first step, no flat buffer is allocated again, and the engine's allocation count stops growing."""
+    runs = {layers: dist_results(CB_WORLD, f"cb-s{stage}-l{layers}") for layers in CB_LAYERS}
+    for layers, ranks in runs.items():
+        for r, steps in enumerate(ranks):
+            assert steps[0]["flat_allocs"], f"{layers} layers, rank {r}: the first step allocated no flat buffer"
+            for i, st in enumerate(steps[1:], start=2):
+                assert st["flat_allocs"] == [], f"{layers} layers, rank {r}, step {i}: allocated {st['flat_allocs']}"
+                assert st["comm_buffer_allocations"] == steps[0]["comm_buffer_allocations"]
+    small, big = runs[CB_LAYERS[0]], runs[CB_LAYERS[1]]
+    for r in range(CB_WORLD):
+        a, b = small[r][-1], big[r][-1]
+        assert sorted(small[r][0]["flat_allocs"]) == sorted(big[r][0]["flat_allocs"])  # measured
+        assert (a["comm_buffers"], a["gathered_params_peak"]) == (b["comm_buffers"], b["gathered_params_peak"])
+        assert a["comm_buffers"] <= 4 * CB_BUCKET + 2 * max(small[r][0]["flat_allocs"])  # the reducer's bound
+        if stage == 3:  # what the model's parameters point at, at most: the root plus the unit(s) in flight
+            assert a["param_storage_peak"] == b["param_storage_peak"] == a["gathered_params_peak"], (a, b)
