@@ -162,6 +162,10 @@ class ZeroEngine:
             self.config.prefetch, mem["model_states"] / 2**20, mem["params"] / 2**20, mem["grads"] / 2**20,
             mem["master"] / 2**20, mem["optimizer_states"] / 2**20,
         )
+        if self.config.offload_optimizer == "cpu" or self.config.offload_params == "cpu":
+            logger.info("hf_zero: offload: optimizer=%s (step kernel: %s), params=%s; %.1f MiB in host memory",
+                        self.config.offload_optimizer, self.optimizer.kernel, self.config.offload_params,
+                        mem["offloaded"] / 2**20)
 
     # ------------------------------------------------------------------ hooks from the reducer
     def _on_group_launched(self, group: FlatGroup) -> None:

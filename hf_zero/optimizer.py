@@ -66,6 +66,25 @@ def _constructor_kwargs(cls: type, defaults: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in defaults.items() if k in accepted}
 
 
+def _host_kernel(cls: type, kwargs: Dict[str, Any]) -> "tuple[Dict[str, Any], str]":
+    """ZeRO-Offload runs the step on the host: use torch's fused CPU kernel unless the user chose one (AdamW on a
+    GPT-2-sized shard: about 10x faster than the per-tensor loop, see the closing note of the offload issue)."""
+    if kwargs.get("fused") is not None or kwargs.get("foreach") is not None:
+        return kwargs, "as given"
+    if "fused" in inspect.signature(cls.__init__).parameters:
+        return {**kwargs, "fused": True}, "fused"
+    if "foreach" in inspect.signature(cls.__init__).parameters:
+        return {**kwargs, "foreach": True}, "foreach"
+    return kwargs, "as given"
+
+
+def _with_kernel(group: Dict[str, Any], choice: Dict[str, Any]) -> Dict[str, Any]:
+    """The group with hf_zero's kernel choice, unless the user set one for this group."""
+    if group.get("fused") is not None or group.get("foreach") is not None:
+        return group
+    return {**group, **choice}
+
+
 class Segment(NamedTuple):
     """One parameter ∩ the rank's owned range: a 1-D view of the master shard."""
 
@@ -110,7 +129,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             hp = {k: v for k, v in group.items() if k != "params"}
             inner_groups.append({**hp, "params": segments[gi]})
         cls = type(user_optimizer)
-        self.inner = cls(inner_groups, **_constructor_kwargs(cls, user_optimizer.defaults))
+        kwargs = _constructor_kwargs(cls, user_optimizer.defaults)
+        self.kernel = "as given"
+        if engine.config.offload_optimizer == "cpu":
+            kwargs, self.kernel = _host_kernel(cls, kwargs)
+        choice = {k: kwargs[k] for k in ("fused", "foreach") if self.kernel != "as given" and k in kwargs}
+        try:  # the groups carry their own fused/foreach keys (torch reads those at step time)
+            self.inner = cls([_with_kernel(g, choice) for g in inner_groups], **kwargs)
+        except (RuntimeError, ValueError) as exc:  # e.g. a fused kernel refusing a dtype: the plain loop still works
+            if self.kernel != "fused":
+                raise
+            choice = {"fused": None, "foreach": True}
+            self.inner = cls([_with_kernel(g, choice) for g in inner_groups], **{**kwargs, **choice})
+            self.kernel = f"foreach (fused refused: {exc})"
         # Share the inner optimizer's groups and state, so schedulers and hooks see one set of dicts.
         self.defaults = self.inner.defaults
         self.param_groups = self.inner.param_groups
