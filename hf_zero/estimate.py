@@ -9,6 +9,9 @@ Two modes:
   dtype, the master copy and Adam's two fp32 states per owned element plus its 4-byte ``step`` per segment.
 
 ``estimate_plan(model_or_config, world_size, config, rank=0)`` is the Python entry point of plan mode.
+
+Activations (plan mode with ``--batch-size b --seq-len s``): hf_zero.activation_estimate (Korthikanti et al.
+2022, re-derived per term for the real config), with and without activation checkpointing.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from torch import nn
 from .config import ZeroConfig
 from .memory import Recipe, comm_elements_per_step, model_state_bytes, recipe
 from .planning import GroupPlan, ShardPlan, plan_model
+from .activation_estimate import ATTENTION_KINDS, activation_report
 
 STAGES = (0, 1, 2, 3)
 MAX_WORLD = 65536
@@ -81,8 +85,8 @@ def _master_dtype(group: GroupPlan, config: ZeroConfig) -> torch.dtype:
 
 
 def _master_separate(group: GroupPlan, config: ZeroConfig) -> bool:
-    """The engine keeps a second copy for the master unless dtype and device agree (pure fp32, no offload).
-    Offload is assumed to move the master off an accelerator (on a CPU-only run it is the same tensor)."""
+    """The engine keeps a second copy for the master unless dtype and device agree (pure fp32, no offload);
+    ZeRO-Offload always keeps its own host copy."""
     return _master_dtype(group, config) != group.dtype or config.offload_optimizer == "cpu"
 
 
@@ -134,7 +138,7 @@ def _replan(plan: ShardPlan, world_size: int, stage: Optional[int] = None) -> Sh
                      groups=groups)
 
 
-class _Planner:
+class Planner:
     """plan_model once for stages 0-2 and once for stage 3 (it is the slow part for 1000-layer models); every other
     (stage, N) is derived by _replan."""
 
@@ -192,6 +196,16 @@ def upper_bound_bytes(plan: ShardPlan, config: ZeroConfig, optimizer_states: int
     return b
 
 
+def model_states_per_device(model: nn.Module, config: ZeroConfig, world_sizes: Sequence[int],
+                            stages: Sequence[int] = STAGES, planner: Optional[Planner] = None
+                            ) -> Dict[int, List[int]]:
+    """For each stage, the worst rank's exact model-state bytes at each N of `world_sizes` (what a device must hold
+    for them; plot it against N). One planner serves every (stage, N)."""
+    planner = planner or Planner(model, config)
+    return {stage: [max_over_ranks(planner.plan(stage, n), planner.config_for(stage))["model_states"]
+                    for n in world_sizes] for stage in stages}
+
+
 def _as_model(model_or_config: Any) -> nn.Module:
     return model_or_config if isinstance(model_or_config, nn.Module) else meta_model(model_or_config)
 
@@ -208,10 +222,10 @@ def estimate_plan(model_or_config: Any, world_size: int, config: Optional[ZeroCo
 
 def plan_report(model: nn.Module, world_size: int, config: ZeroConfig, stages: Sequence[int] = STAGES,
                 optimizer_states: int = 2, micro_batches: int = 1,
-                planner: Optional["_Planner"] = None) -> Dict[str, Any]:
+                planner: Optional["Planner"] = None) -> Dict[str, Any]:
     """Per stage: rank 0 and the max over ranks, padding, the largest unit, buckets and communication."""
     rows = {}
-    planner = planner or _Planner(model, config)
+    planner = planner or Planner(model, config)
     for stage in stages:
         cfg = planner.config_for(stage)
         plan = planner.plan(stage, world_size)
@@ -285,15 +299,27 @@ def fits_formula(psi: float, r: Recipe, budget_bytes: float, stages: Sequence[in
 
 
 def fits_plan(model: nn.Module, config: ZeroConfig, budget_bytes: float, stages: Sequence[int] = STAGES,
-              optimizer_states: int = 2, planner: Optional["_Planner"] = None) -> Dict[int, Optional[int]]:
-    """Smallest N whose worst rank fits (an upper bound per N, off by at most 4 bytes per parameter tensor)."""
-    planner = planner or _Planner(model, config)
+              optimizer_states: int = 2, planner: Optional["Planner"] = None,
+              extra_bytes: float = 0) -> Dict[int, Optional[int]]:
+    """Smallest N whose worst rank fits (an upper bound per N, off by at most 4 bytes per parameter tensor).
+    `extra_bytes`: memory every rank needs beside its model states whatever N is (the activations' peak)."""
+    planner = planner or Planner(model, config)
+    room = budget_bytes - extra_bytes
     out = {}
     for stage in stages:
         cfg = planner.config_for(stage)
-        out[stage] = _smallest_n(lambda n, stage=stage, cfg=cfg: upper_bound_bytes(
-            planner.plan(stage, n), cfg, optimizer_states) <= budget_bytes)
+        out[stage] = None if room <= 0 else _smallest_n(lambda n, stage=stage, cfg=cfg: upper_bound_bytes(
+            planner.plan(stage, n), cfg, optimizer_states) <= room)
     return out
+
+
+def fits_with_activations(model: nn.Module, config: ZeroConfig, budget_bytes: float, activations: Dict[str, Any],
+                          stages: Sequence[int] = STAGES, planner: Optional["Planner"] = None
+                          ) -> Dict[str, Dict[int, Optional[int]]]:
+    """fits_plan with the activations' peak added to every rank, without and with activation checkpointing."""
+    return {mode: fits_plan(model, config, budget_bytes, stages, planner=planner,
+                            extra_bytes=activations[mode]["peak"])
+            for mode in ("no_checkpointing", "checkpointing")}
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -312,6 +338,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per optimizer step")
     parser.add_argument("--fits", type=float, default=None, metavar="GB",
                         help="also print the smallest N (1..65536) for which each stage fits in GB per device")
+    parser.add_argument("--batch-size", type=int, default=None, metavar="B",
+                        help="plan mode: micro-batch size per device; with --seq-len adds the activation estimate "
+                             "(with and without checkpointing) and counts it in --fits")
+    parser.add_argument("--seq-len", type=int, default=None, metavar="S", help="plan mode: sequence length")
+    parser.add_argument("--attention", choices=ATTENTION_KINDS, default="eager",
+                        help="eager keeps the a*s*s attention probabilities (the paper's count); sdpa: a fused "
+                             "flash / memory-efficient kernel that does not")
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
 
 
@@ -334,11 +367,16 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     stages = STAGES if args.stage is None else (args.stage,)
     n = args.num_processes
-    if n is None and args.fits is None:
-        print("hf-zero estimate: give --num-processes N (and/or --fits GB)", file=sys.stderr)
+    with_activations = args.batch_size is not None or args.seq_len is not None
+    if n is None and args.fits is None and not with_activations:
+        print("hf-zero estimate: give --num-processes N (and/or --fits GB, --batch-size B --seq-len S)",
+              file=sys.stderr)
         return 2
     if n is not None and not 1 <= n <= MAX_WORLD:
         print(f"hf-zero estimate: --num-processes must be in 1..{MAX_WORLD}", file=sys.stderr)
+        return 2
+    if with_activations and (args.batch_size is None or args.seq_len is None or args.model is None):
+        print("hf-zero estimate: activations need --model with both --batch-size and --seq-len", file=sys.stderr)
         return 2
     budget = args.fits * GB if args.fits is not None else None
     out: Dict[str, Any]
@@ -351,12 +389,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         config = ZeroConfig(mixed_precision=args.mixed_precision, grad_accum_dtype=args.grad_accum_dtype or "fp32")
         model = meta_model(args.model)
-        planner = _Planner(model, config)
+        planner = Planner(model, config)
         out = plan_report(model, n or 1, config, stages, micro_batches=args.micro_batches, planner=planner) if n \
             else {"mode": "plan", "stages": {}}
+        if with_activations:
+            out["activations"] = activation_report(model, args.batch_size, args.seq_len, config, args.attention)
         if budget is not None:
             out["fits"] = {"gb": args.fits, "min_world_size": fits_plan(model, config, budget, stages,
                                                                         planner=planner)}
+            if with_activations:
+                out["fits"]["with_activations"] = fits_with_activations(model, config, budget, out["activations"],
+                                                                        stages, planner)
     out["seconds"] = round(time.perf_counter() - t0, 3)
     if args.json:
         print(json.dumps(out, default=float))
@@ -392,10 +435,30 @@ def _render(out: Dict[str, Any], n: Optional[int]) -> str:
                              _gb(v["largest_unit_bytes"]), _fmt_comm(v["comm_elements"]), _fmt_comm(v["comm_bytes"])])
             lines.append(_table(["", "params GB", "grads GB", "master GB", "optim GB", "rank 0 GB", "max GB",
                                  "padding el.", "largest unit GB", "comm elements/step", "comm bytes/step"], rows))
+    if "activations" in out:
+        lines.extend(_render_activations(out["activations"]))
     if "fits" in out:
         f = out["fits"]
-        parts = [f"stage {s}: " + (f"N >= {m}" if m else f"does not fit (N <= {MAX_WORLD})")
-                 for s, m in f["min_world_size"].items()]
-        lines.append(f"Fits in {f['gb']:g} GB per device: " + "; ".join(parts))
+        lines.append(f"Fits in {f['gb']:g} GB per device (model states only): " + _fits_parts(f["min_world_size"]))
+        for mode, mins in f.get("with_activations", {}).items():
+            peak = out["activations"][mode]["peak"]
+            alone = f" (the activations alone need {_gb(peak)} GB)" if peak >= f["gb"] * GB else ""
+            lines.append(f"Fits in {f['gb']:g} GB per device with activations, {mode.replace('_', ' ')}: "
+                         + _fits_parts(mins) + alone)
     lines.append(f"({out['seconds']:.2f} s)")
     return "\n".join(lines)
+
+
+def _fits_parts(mins: Dict[Any, Optional[int]]) -> str:
+    return "; ".join(f"stage {s}: " + (f"N >= {m}" if m else f"does not fit (N <= {MAX_WORLD})")
+                     for s, m in mins.items())
+
+
+def _render_activations(act: Dict[str, Any]) -> List[str]:
+    rows = [[mode.replace("_", " "), _gb(v["per_layer"]), _gb(v["layers"]), _gb(v["outside"]), _gb(v["stored"]),
+             _gb(v["peak"])] for mode, v in ((m, act[m]) for m in ("no_checkpointing", "checkpointing"))]
+    return [f"Activations per device (any stage, any N): micro-batch {act['batch_size']} x {act['seq_len']} tokens, "
+            f"{act['dtype_bytes']}-byte activations, {act['attention']} attention",
+            _table(["", "one layer GB", "layers keep GB", "outside layers GB", "stored GB", "peak GB"], rows),
+            f"Formula: {act['formula']}. The paper's 16-bit formula for these layers alone: "
+            f"{_gb(act['paper_layers_16bit'])} GB."]
