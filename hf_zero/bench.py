@@ -1,4 +1,5 @@
-"""hf-zero bench: train one causal LM under DDP, FSDP2, torch's ZeroRedundancyOptimizer and hf_zero stages 0-3.
+"""hf-zero bench: train one causal LM under DDP, FSDP2, torch's ZeroRedundancyOptimizer, hf_zero stages 0-3 and
+DeepSpeed ZeRO-1/2/3.
 
 Every system runs in its own freshly spawned group of worker processes (gloo on CPU, nccl on CUDA), so peak memory
 is per system. Each trains the same model (built from a config, dropout off, same seed) on the same deterministic
@@ -7,28 +8,34 @@ ranks:
 
 - tokens/s: global tokens (world x batch x seq-len x grad-accum per step) per second over the timed steps;
 - model-state bytes per rank, measured (hf_zero: `engine.memory_stats()["model_states"]`; the torch systems: bytes of
-  the parameter, .grad and optimizer-state tensors the rank holds, local shards for DTensors) beside the paper's
+  the parameter, .grad and optimizer-state tensors the rank holds, local shards for DTensors; DeepSpeed: the storages
+  of its parameter, gradient, master and optimizer-state partitions, see bench_deepspeed.py) beside the paper's
   formula (`hf_zero.memory.model_state_bytes`);
 - peak memory per rank (CPU: VmHWM, the peak RSS; CUDA: torch.cuda.max_memory_allocated);
 - elements communicated per step, measured (hf_zero: its collective ledger, data kinds only; DDP: a comm hook
-  counting 2x each all-reduced bucket) beside the formula (`hf_zero.memory.comm_elements_per_step`).
+  counting 2x each all-reduced bucket; DeepSpeed: every torch.distributed collective, scalars left out) beside the
+  formula (`hf_zero.memory.comm_elements_per_step`).
 
-Systems live in the SYSTEMS registry below (name -> SystemSpec with a builder); add peers there.
+Systems live in the SYSTEMS registry below (name -> SystemSpec with a builder); add peers there. A peer from an
+optional extra (DeepSpeed: `pip install deepspeed`) that cannot be imported gets a row with status "skipped" and the
+reason, never an error. `--plot out.png` draws throughput and bytes per rank per system (hf_zero/bench_plot.py).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
 import multiprocessing.connection
 import os
+import shutil
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 HF_ZERO_PREFIX = "zero"  # zero0..zero3 are hf_zero; their failure makes the exit code non-zero
 DEFAULT_TIMEOUT_S = 1800
@@ -126,6 +133,10 @@ class Trainer:
     def comm_elements(self) -> Optional[Dict[str, float]]:
         """Cumulative elements sent per collective kind (paper counting), or None when not measured."""
         return None
+
+    def row_extras(self) -> Dict[str, Any]:
+        """Extra fields for the system's row (rank 0's), e.g. a peer's version."""
+        return {}
 
 
 def _nbytes(t) -> int:
@@ -308,6 +319,9 @@ class SystemSpec:
     comm_formula: Callable[[float, Settings], Dict[str, float]]  # Ψ, settings -> elements per kind per step
     hf_zero: bool = False
     note: str = ""
+    # An optional peer: returns None when it can run here, else why not (the row is then "skipped").
+    unavailable: Optional[Callable[[], Optional[str]]] = None
+    jit_extensions: bool = False  # may JIT-compile torch extensions: give it a temporary TORCH_EXTENSIONS_DIR
 
 
 def _fp32_recipe(settings: Settings):
@@ -336,6 +350,32 @@ def _zero_redundancy_comm(psi: float, settings: Settings) -> Dict[str, float]:
     return {"all_reduce": 2 * psi, "broadcast": psi}  # DDP's all-reduce, then every shard broadcast after the step
 
 
+def _deepspeed_unavailable() -> Optional[str]:
+    from .bench_deepspeed import unavailable_reason
+
+    return unavailable_reason()
+
+
+def _build_deepspeed(model, ctx: "WorkerContext", stage: int) -> Trainer:
+    from .bench_deepspeed import DeepSpeedTrainer
+
+    return DeepSpeedTrainer(model, ctx, stage)
+
+
+def _deepspeed_recipe(settings: Settings):
+    from .memory import recipe
+
+    return recipe(settings.mixed_precision)  # gradients in the compute dtype, as DeepSpeed keeps them
+
+
+def _deepspeed_spec(stage: int) -> SystemSpec:
+    settings = "torch AdamW, hf_zero's bucket bytes" + (", stage3_param_persistence_threshold=0" if stage == 3 else "")
+    return SystemSpec(
+        build=lambda model, ctx: _build_deepspeed(model, ctx, stage), state_stage=stage, recipe=_deepspeed_recipe,
+        comm_formula=_paper_comm(stage), unavailable=_deepspeed_unavailable, jit_extensions=True,
+        note=f"DeepSpeed ZeRO-{stage} ({settings}); comm counted at torch.distributed (scalars left out)")
+
+
 def _hf_zero_spec(stage: int) -> SystemSpec:
     return SystemSpec(build=lambda model, ctx: HfZeroTrainer(model, ctx, stage), state_stage=stage,
                       recipe=_hf_zero_recipe, comm_formula=_paper_comm(stage), hf_zero=True)
@@ -351,11 +391,9 @@ SYSTEMS: Dict[str, SystemSpec] = {
         build=lambda model, ctx: ZeroRedundancyTrainer(model, ctx), state_stage=1, recipe=_fp32_recipe,
         comm_formula=_zero_redundancy_comm, note="comm formula: DDP all-reduce 2Ψ + parameter broadcast Ψ"),
     **{f"zero{k}": _hf_zero_spec(k) for k in range(4)},
-    # ---------------------------------------------------------------------------------------------------------
-    # PEERS TO ADD HERE (optional extras, never dependencies): DeepSpeed ZeRO-1/2/3 as "deepspeed_zero1".."3".
-    # A builder returns a Trainer (micro_step / optimizer_step / state_bytes / comm_elements); on CPU DeepSpeed
-    # needs DS_ACCELERATOR=cpu, deepspeed.init_distributed("gloo") and TORCH_EXTENSIONS_DIR set to a temp folder.
-    # ---------------------------------------------------------------------------------------------------------
+    # Peers from optional extras (never dependencies): a builder returns a Trainer; `unavailable` says when the
+    # extra is missing, and the row is skipped with that reason.
+    **{f"deepspeed_zero{k}": _deepspeed_spec(k) for k in range(1, 4)},
 }
 
 
@@ -474,6 +512,7 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
         "comm_elements_formula_by_kind": comm_formula,
         "loss_last_step": max(r["loss"] for r in everyone),
         "note": spec.note,
+        **trainer.row_extras(),
     }
 
 
@@ -611,7 +650,20 @@ def _fmt_count(x: Optional[float]) -> str:
     return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
 
 
+def status_text(row: Dict[str, Any]) -> str:
+    """The row's status for people: "ok", "skipped: <reason>" or "error: <exception>"."""
+    status = row.get("status", "")
+    return f"{status}: {row['reason']}" if status == "skipped" and row.get("reason") else status
+
+
+def skipped_row(system: str, reason: str) -> Dict[str, Any]:
+    """The row of a system that did not run here (an optional peer that is not installed)."""
+    spec = SYSTEMS[system]
+    return {"system": system, "status": "skipped", "reason": reason, "hf_zero": spec.hf_zero, "note": spec.note}
+
+
 def format_table(rows: List[Dict[str, Any]]) -> str:
+    """The rows as an aligned text table (one line per system, skipped and failed ones included)."""
     header = ["system", "tokens/s", "x DDP", "state MiB/rank measured", "state MiB/rank formula", "peak MiB/rank",
               "comm elems/step measured", "comm elems/step formula", "status"]
     body = []
@@ -627,7 +679,7 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
             _fmt_mib(r.get("peak_bytes")) if ok else "-",
             _fmt_count(r.get("comm_elements_measured")) if ok else "-",
             _fmt_count(r.get("comm_elements_formula")) if ok else "-",
-            r.get("status", ""),
+            status_text(r),
         ])
     widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
     left = {0, len(header) - 1}
@@ -662,6 +714,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="write one JSON line with every row and the settings to PATH ('-' for stdout; the table "
                              "then goes to stderr)")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="draw tokens/s and bytes per rank per system to this PNG (needs matplotlib: "
+                             "pip install 'hf_zero[bench]')")
 
 
 def _parse_systems(text: str) -> List[str]:
@@ -687,7 +742,44 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+@contextlib.contextmanager
+def _extensions_dir(needed: bool) -> Iterator[None]:
+    """A temporary TORCH_EXTENSIONS_DIR for the workers (inherited), unless the user set one: a peer that
+    JIT-compiles an op must not fill ~/.cache; one folder for the whole run, so the systems share one build."""
+    if not needed or os.environ.get("TORCH_EXTENSIONS_DIR"):
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="hfz_bench_torch_extensions_")
+    os.environ["TORCH_EXTENSIONS_DIR"] = folder
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_one(i: int, system: str, systems: List[str], settings: Settings) -> Dict[str, Any]:
+    """One system's row: skipped when its optional extra is missing, else run in its own worker group."""
+    tag = f"[{i + 1}/{len(systems)}] {system}"
+    spec = SYSTEMS[system]
+    reason = spec.unavailable() if spec.unavailable is not None else None
+    if reason is not None:
+        _log(f"{tag} skipped: {reason}")
+        return skipped_row(system, reason)
+    _log(f"{tag} ...")
+    t0 = time.monotonic()
+    row = run_system(system, settings)
+    row["wall_s"] = time.monotonic() - t0
+    if row["status"] == "ok":
+        _log(f"{tag}: {row['tokens_per_s']:,.1f} tokens/s ({row['wall_s']:.0f}s including start-up)")
+    else:
+        _log(f"{tag} FAILED:\n{row.get('error', row['status'])}")
+    return row
+
+
 def run(args: argparse.Namespace) -> int:
+    """`hf-zero bench`: run every requested system, print the table, write --json and --plot; the exit code is
+    1 when an hf_zero system failed, 2 on bad arguments, else 0 (peers that fail or are skipped do not count)."""
     try:
         systems = _parse_systems(args.systems)
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "num_processes"):
@@ -701,7 +793,11 @@ def run(args: argparse.Namespace) -> int:
         max_pos = _max_positions(build_config(model_config))
         if max_pos is not None and args.seq_len > max_pos:
             raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {max_pos} positions")
-    except (ValueError, OSError) as exc:
+        if getattr(args, "plot", None):
+            from .bench_plot import check_matplotlib
+
+            check_matplotlib()  # before minutes of training, not after
+    except (ValueError, OSError, ImportError) as exc:
         print(f"hf-zero bench: error: {exc}", file=sys.stderr)
         return 2
 
@@ -722,18 +818,8 @@ def run(args: argparse.Namespace) -> int:
          f"{settings.warmup} warmup + {settings.steps} timed steps, mixed precision {settings.mixed_precision}, "
          f"{settings.threads_per_rank} threads per rank")
 
-    rows: List[Dict[str, Any]] = []
-    for i, system in enumerate(systems):
-        _log(f"[{i + 1}/{len(systems)}] {system} ...")
-        t0 = time.monotonic()
-        row = run_system(system, settings)
-        row["wall_s"] = time.monotonic() - t0
-        if row["status"] == "ok":
-            _log(f"[{i + 1}/{len(systems)}] {system}: {row['tokens_per_s']:,.1f} tokens/s "
-                 f"({row['wall_s']:.0f}s including start-up)")
-        else:
-            _log(f"[{i + 1}/{len(systems)}] {system} FAILED:\n{row.get('error', row['status'])}")
-        rows.append(row)
+    with _extensions_dir(any(SYSTEMS[name].jit_extensions for name in systems)):
+        rows = [_run_one(i, system, systems, settings) for i, system in enumerate(systems)]
 
     ddp = next((r for r in rows if r["system"] == "ddp" and r["status"] == "ok"), None)
     for r in rows:
@@ -756,6 +842,13 @@ def run(args: argparse.Namespace) -> int:
         else:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
+
+    if getattr(args, "plot", None):
+        from .bench_plot import plot_rows
+
+        plot_rows(rows, args.plot, title=f"{model_name}, {world} ranks, {settings.tokens_per_step:,} tokens/step, "
+                                         f"mixed precision {settings.mixed_precision}")
+        _log(f"plot written to {args.plot}")
 
     failed_hf_zero = [r["system"] for r in rows if r["status"] != "ok" and r.get("hf_zero")]
     if failed_hf_zero:

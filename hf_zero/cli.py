@@ -1,4 +1,4 @@
-"""hf-zero: the command line (bench now; config, estimate, consolidate and push join as they land)."""
+"""hf-zero: the command line (bench, config, estimate, consolidate, push)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,8 @@ from typing import List, Optional
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-zero", description="ZeRO for Hugging Face: tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="train a causal LM under DDP, FSDP2 and hf_zero stages 0-3 side by side")
+    bench = sub.add_parser("bench", help="train a causal LM under DDP, FSDP2, torch's ZeroRedundancyOptimizer, "
+                                         "DeepSpeed ZeRO-1/2/3 and hf_zero stages 0-3 side by side")
     from .bench import add_arguments as add_bench_arguments
 
     add_bench_arguments(bench)
