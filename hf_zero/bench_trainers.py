@@ -1,0 +1,203 @@
+"""The systems `hf-zero bench` trains: one Trainer per system (DDP, torch's ZeroRedundancyOptimizer, FSDP2, hf_zero;
+DeepSpeed lives in bench_deepspeed.py). Each runs one rank's micro-steps and reports its model-state bytes and,
+where it can be measured, its communication."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+if TYPE_CHECKING:
+    from .bench import WorkerContext
+
+
+class Trainer:
+    """One system's training loop pieces on one rank."""
+
+    def micro_step(self, input_ids, final: bool):
+        """Forward and backward of one micro-batch (gradient sync only when `final`); returns the detached loss."""
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        """Before each step's first micro-batch (set to None), so the gradients exist when measured after the loop."""
+
+    def state_bytes(self) -> int:
+        raise NotImplementedError
+
+    def comm_elements(self) -> Optional[Dict[str, float]]:
+        """Cumulative elements sent per collective kind (paper counting), or None when not measured."""
+        return None
+
+    def row_extras(self) -> Dict[str, Any]:
+        """Extra fields for the system's row (rank 0's), e.g. a peer's version."""
+        return {}
+
+
+def _nbytes(t) -> int:
+    if t is None:
+        return 0
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def _torch_state_bytes(params, optimizer) -> int:
+    """Bytes of parameters, their .grad and the optimizer's state tensors held on this rank (local shards)."""
+    import torch
+
+    seen, total = set(), 0
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += _nbytes(p) + _nbytes(p.grad)
+    for state in optimizer.state.values():
+        for v in state.values():
+            if torch.is_tensor(v) and id(v) not in seen:
+                seen.add(id(v))
+                total += _nbytes(v)
+    return total
+
+
+class _TorchTrainer(Trainer):
+    def __init__(self, model, optimizer, ctx: "WorkerContext", loss_model=None) -> None:
+        self.model, self.optimizer, self.ctx = model, optimizer, ctx
+        self.raw = loss_model if loss_model is not None else model
+
+    def _forward(self, input_ids):
+        import torch
+
+        if self.ctx.settings.mixed_precision == "bf16" and self.ctx.autocast:
+            with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16):
+                return self.model(input_ids=input_ids, labels=input_ids).loss
+        return self.model(input_ids=input_ids, labels=input_ids).loss
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_bytes(self) -> int:
+        return _torch_state_bytes(self.raw.parameters(), self._local_optimizer())
+
+    def _local_optimizer(self):
+        return self.optimizer
+
+
+class DDPTrainer(_TorchTrainer):
+    """torch DDP; a comm hook counts 2x the numel of every all-reduced bucket, then runs the default all-reduce."""
+
+    def __init__(self, model, ctx: "WorkerContext", optimizer_factory=None) -> None:
+        import torch
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        kwargs = {"device_ids": [ctx.device.index]} if ctx.device.type == "cuda" else {}
+        ddp = DDP(model, **kwargs)
+        self.counted = {"all_reduce": 0}
+
+        def counting_allreduce(state, bucket):
+            self.counted["all_reduce"] += 2 * bucket.buffer().numel()
+            return default_hooks.allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, counting_allreduce)
+        factory = optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=ctx.settings.lr))
+        super().__init__(ddp, factory(ddp.parameters()), ctx, loss_model=model)
+
+    def micro_step(self, input_ids, final: bool):
+        import contextlib
+
+        m = self.ctx.settings.grad_accum
+        with (contextlib.nullcontext() if final else self.model.no_sync()):
+            loss = self._forward(input_ids)
+            (loss / m).backward()
+        return loss.detach()
+
+    def comm_elements(self) -> Optional[Dict[str, float]]:
+        return dict(self.counted)
+
+
+class ZeroRedundancyTrainer(DDPTrainer):
+    """DDP plus torch.distributed.optim.ZeroRedundancyOptimizer (optimizer states sharded, parameters broadcast
+    after the step). Communication is not measured (the DDP hook would see only the all-reduce half)."""
+
+    def __init__(self, model, ctx: "WorkerContext") -> None:
+        import torch
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        super().__init__(model, ctx, optimizer_factory=lambda params: ZeroRedundancyOptimizer(
+            params, optimizer_class=torch.optim.AdamW, lr=ctx.settings.lr))
+
+    def _local_optimizer(self):
+        return self.optimizer.optim  # the rank's inner AdamW over the parameters it owns
+
+    def comm_elements(self) -> Optional[Dict[str, float]]:
+        return None
+
+
+class FSDP2Trainer(_TorchTrainer):
+    """torch FSDP2: fully_shard on every transformer block, then on the root."""
+
+    def __init__(self, model, ctx: "WorkerContext") -> None:
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from .planning import find_unit_modules
+
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                     if ctx.settings.mixed_precision == "bf16" else MixedPrecisionPolicy())
+        blocks = find_unit_modules(model)  # the model's _no_split_modules (GPT2Block, LlamaDecoderLayer, ...)
+        for _, block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        ctx.autocast = False  # the mixed-precision policy casts
+        super().__init__(model, torch.optim.AdamW(model.parameters(), lr=ctx.settings.lr), ctx)
+
+    def micro_step(self, input_ids, final: bool):
+        m = self.ctx.settings.grad_accum
+        self.model.set_requires_gradient_sync(final)
+        loss = self._forward(input_ids)
+        (loss / m).backward()
+        return loss.detach()
+
+
+class HfZeroTrainer(Trainer):
+    """hf_zero: shard_model(model, AdamW, ZeroConfig(stage=k)); no_sync on non-final micro-batches."""
+
+    def __init__(self, model, ctx: "WorkerContext", stage: int) -> None:
+        import torch
+
+        from . import ZeroConfig, shard_model
+
+        self.ctx = ctx
+        self.config = ZeroConfig(stage=stage, mixed_precision=ctx.settings.mixed_precision)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.settings.lr)
+        self.engine = shard_model(model, optimizer, self.config, device=ctx.device)
+        self.model = model
+
+    def micro_step(self, input_ids, final: bool):
+        import contextlib
+
+        m = self.ctx.settings.grad_accum
+        with (contextlib.nullcontext() if final else self.engine.no_sync()):
+            loss = self.model(input_ids=input_ids, labels=input_ids).loss
+            self.engine.backward(loss / m)
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        self.engine.optimizer.step()
+
+    def state_bytes(self) -> int:
+        return int(self.engine.memory_stats()["model_states"])
+
+    def comm_elements(self) -> Optional[Dict[str, float]]:
+        from .comm import DATA_KINDS
+
+        stats = self.engine.comm_stats()
+        return {k: v["elements"] for k, v in stats.items() if k in DATA_KINDS}  # not "control", not "total"
