@@ -68,11 +68,17 @@ def test_accelerate_launch_matches_ddp(tmp_path, nproc, model, stages):
     accelerate_launch("accel_train.py", nproc, "--backend", "ddp", "--model", model, "--out", str(ref))
     for stage in stages:
         cfg = tmp_path / f"zero{stage}.yaml"
-        cfg.write_text(f"zero:\n  stage: {stage}\n  reduce_bucket_size: 4096\n")
+        # ZeRO-R through hf_zero.yaml: checkpointing changes memory, not the numbers (the DDP run has none)
+        ckpt = {1: "", 2: "  activation_checkpointing: on\n  cpu_checkpointing: true\n",
+                3: "  activation_checkpointing: partitioned\n"}[stage]
+        cfg.write_text(f"zero:\n  stage: {stage}\n  reduce_bucket_size: 4096\n{ckpt}")
         out = tmp_path / f"zero{stage}"
         accelerate_launch("accel_train.py", nproc, "--backend", "zero", "--model", model, "--out", str(out),
                           zero_yaml=cfg)
-        assert json.load(open(out / "log.json"))["num_processes"] == nproc
+        log = json.load(open(out / "log.json"))
+        assert log["num_processes"] == nproc
+        assert len(log["checkpointed_layers"]) == (0 if stage == 1 else 2), log["checkpointed_layers"]
+        assert all(cpu == (stage == 2) for _, cpu in log["checkpointed_layers"]), log["checkpointed_layers"]
         assert_close_runs(out, ref)
         assert_same_weights(out / "weights.safetensors", ref / "weights.safetensors")
 

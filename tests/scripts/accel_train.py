@@ -50,6 +50,12 @@ model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, load
 
 losses, norms = [], []
 model.train()
+# layers that recompute in the backward, and whether their checkpoints go to the CPU (hf_zero's P_a+cpu store)
+checkpointed = [[type(m).__name__, bool(getattr(getattr(m._gradient_checkpointing_func, "keywords", {}).get("store"),
+                                                  "cpu", False))]
+                for m in accelerator.unwrap_model(model).modules()
+                if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")
+                and type(m).__name__.endswith(("Block", "DecoderLayer"))]
 done = 0
 if args.resume:
     accelerator.load_state(args.resume)
@@ -86,7 +92,7 @@ if accelerator.is_main_process:
               os.path.join(args.out, "weights.safetensors"))
     with open(os.path.join(args.out, "log.json"), "w") as f:
         json.dump({"losses": losses, "norms": norms, "num_processes": accelerator.num_processes,
-                   "lr": scheduler.get_last_lr()}, f)
+                   "lr": scheduler.get_last_lr(), "checkpointed_layers": checkpointed}, f)
 accelerator.end_training()
 # Close the process group before exit: gloo's threads abort the interpreter now and then when it is left alive
 # (seen with stock Accelerate too; HfZeroAccelerator closes it at exit by itself).
