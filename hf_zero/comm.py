@@ -6,7 +6,6 @@ the data ledger can be checked against 2Ψ / 3Ψ exactly.
 """
 from __future__ import annotations
 
-import zlib
 from collections import defaultdict
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import weakref
 from typing import Dict, Iterator, List, Optional
 
@@ -243,15 +244,15 @@ class ZeroEngine:
 
     def after_step(self) -> None:
         """The shard was updated: refresh the compute copy and (stages 1/2) all-gather the full parameters."""
-        handles, inflight = [], 0
+        handles, sizes = [], []
         for g in self.groups:
             g.write_master_to_shard()
             if self.config.stage in (1, 2) and self.comm.world_size > 1:
                 handles.append(self.comm.all_gather(g.full, g.shard, f"params of group {g.plan.index}"))
-                inflight += g.plan.padded_numel * g.full.element_size()
-                if inflight > self.config.allgather_bucket_size:  # C_B: bound the bytes in flight
-                    handles.pop(0).wait()
-                    inflight = 0
+                sizes.append(g.plan.padded_numel * g.full.element_size())
+                while len(handles) > 1 and sum(sizes) > self.config.allgather_bucket_size:
+                    handles.pop(0).wait()  # C_B: bound the bytes in flight (the oldest gathers first)
+                    sizes.pop(0)
         for h in handles:
             h.wait()
         if self.scaler is not None:

@@ -17,7 +17,7 @@ recomputation; the gradient hook on the outputs has already gathered the paramet
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 from torch import nn

@@ -10,7 +10,6 @@ import inspect
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from .buffers import FlatGroup
 from .planning import Slot, iter_owned_segments
