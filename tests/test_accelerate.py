@@ -222,3 +222,26 @@ def test_zero_trainer_push_to_hub(tmp_path, trainer_ddp, stage):
     for name in ref:
         err = ((pushed[name].double() - ref[name].double()).norm() / ref[name].double().norm()).item()
         assert err < 1e-5, f"{name}: {err:.2e}"
+
+
+def test_groups_from_the_device_mesh_tensor_parallel(tmp_path):
+    """HfZeroAccelerator takes ZeRO's group ("dp") and P_a's group ("tp") from the device mesh: 4 ranks = 2 x 2;
+    each TP shard trains to its slice of the dense single-process run."""
+    sys.path.insert(0, HERE)
+    import test_zero_r as T
+
+    out = tmp_path / "tp"
+    accelerate_launch("accel_tp_train.py", 4, str(out))
+    reports = [json.load(open(out / f"rank{r}.json")) for r in range(4)]
+    for rep in reports:
+        t, d = rep["tp"], rep["dp"]
+        assert rep["zero_group"] == [t, t + T.TP] and rep["checkpoint_group"] == [T.TP * d, T.TP * d + 1], rep
+    ref_losses, ref_state = T.tp_reference()
+    by = {(rep["tp"], rep["dp"]): rep for rep in reports}
+    for t in range(T.TP):
+        mean = (torch.tensor(by[t, 0]["losses"]) + torch.tensor(by[t, 1]["losses"])) / 2
+        torch.testing.assert_close(mean, torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        got = load_file(out / f"tp{t}.safetensors")
+        assert set(got) == set(ref_state)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(got[k], T.tp_slice(k, v, t), rtol=1e-5, atol=1e-6)

@@ -90,16 +90,37 @@ class HfZeroAccelerator(Accelerator):
     def _shard(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> ZeroEngine:
         if self.zero_engines:
             raise RuntimeError("HfZeroAccelerator shards one model per Accelerator (as DeepSpeed does)")
+        model_parallel, data_parallel = self._parallel_groups(model)
         if self.zero_plugin.activation_checkpointing != "off" or self.zero_plugin.cpu_checkpointing:
             from ..activations import enable_activation_checkpointing
 
             enable_activation_checkpointing(model, self.zero_plugin.activation_checkpointing,
-                                            self.zero_plugin.cpu_checkpointing,
-                                            self.zero_plugin.model_parallel_group)
-        engine = shard_model(model, optimizer, self.zero_config, process_group=self.zero_plugin.data_parallel_group,
-                             device=self.device)
+                                            self.zero_plugin.cpu_checkpointing, model_parallel)
+        engine = shard_model(model, optimizer, self.zero_config, process_group=data_parallel, device=self.device)
         self.zero_engines.append(engine)
         return engine
+
+    def _parallel_groups(self, model: nn.Module) -> "tuple[Optional[Any], Optional[Any]]":
+        """(model-parallel group for P_a, data-parallel group ZeRO shards over): the plugin's, else the "tp" and
+        "dp" dimensions of Accelerate's device mesh when it has a tensor-parallel dimension, else (None, world)."""
+        mp, dp = self.zero_plugin.model_parallel_group, self.zero_plugin.data_parallel_group
+        mesh = getattr(self.state, "device_mesh", None)
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if mp is None and "tp" in names and mesh["tp"].size() > 1:
+            from torch.distributed.tensor import DTensor
+
+            if any(isinstance(p, DTensor) for p in model.parameters()):
+                raise ValueError("hf_zero shards plain tensors, and this model's parameters are DTensors (tensor "
+                                 "parallelism applied by Accelerate/Transformers). Split the layers yourself "
+                                 "(column/row-parallel) and pass ZeroPlugin(model_parallel_group=..., "
+                                 "data_parallel_group=...)")
+            mp = mesh["tp"].get_group()
+            if dp is None:
+                if "dp" not in names and "dp" not in getattr(mesh, "_flatten_mapping", {}):
+                    raise ValueError(f"Accelerate's device mesh {names} has a 'tp' dimension but no 'dp' one: pass "
+                                     f"ZeroPlugin(data_parallel_group=...) for ZeRO to shard over")
+                dp = mesh["dp"].get_group()
+        return mp, dp
 
     # ---------------------------------------------------------------- prepare
     def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None) -> Any:
