@@ -68,7 +68,8 @@ class CheckpointStore:
             piece[:hi - lo].copy_(flat[lo:hi])  # a copy: the full input can be freed
         if self.cpu and piece.device.type != "cpu":
             host = torch.empty(piece.shape, dtype=piece.dtype, device="cpu", pin_memory=True)
-            host.copy_(piece, non_blocking=True)
+            # asynchronous unless outer hooks will read the host copy on the CPU right away
+            host.copy_(piece, non_blocking=outer is None)
             piece = host
         if outer is not None:
             return _Stored(outer[0](piece), x, outer[1])
