@@ -116,10 +116,11 @@ class HfZeroAccelerator(Accelerator):
                                  "data_parallel_group=...)")
             mp = mesh["tp"].get_group()
             if dp is None:
-                if "dp" not in names and "dp" not in getattr(mesh, "_flatten_mapping", {}):
+                try:  # "dp" is a mesh dimension or the flattened data-parallel dimensions Accelerate makes
+                    dp = mesh["dp"].get_group()
+                except KeyError:
                     raise ValueError(f"Accelerate's device mesh {names} has a 'tp' dimension but no 'dp' one: pass "
-                                     f"ZeroPlugin(data_parallel_group=...) for ZeRO to shard over")
-                dp = mesh["dp"].get_group()
+                                     f"ZeroPlugin(data_parallel_group=...) for ZeRO to shard over") from None
         return mp, dp
 
     # ---------------------------------------------------------------- prepare
