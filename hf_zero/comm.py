@@ -3,12 +3,18 @@
 Counting follows the paper: an all-gather or reduce-scatter of a Ψ-element (full) buffer moves Ψ elements per
 rank, an all-reduce 2Ψ. Scalar control traffic (grad norm, fp16 overflow flag) goes to the "control" kind so
 the data ledger can be checked against 2Ψ / 3Ψ exactly.
+
+On gloo the two ZeRO collectives are issued as their per-chunk halves: an all-gather as one broadcast per
+rank of its chunk, a reduce-scatter as one reduce per chunk to the rank that owns it. Both work in place on
+the caller's buffer. torch's gloo backend has no reduce-scatter of its own (it clones the input and
+all-reduces it, 2Ψ on the wire) and gathers into a temporary it then copies out; per chunk, the elements
+moved are the paper's Ψ and nothing is copied. The ledger books the logical collective either way.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set, Union
 
 import torch
 import torch.distributed as dist
@@ -24,16 +30,18 @@ class CollectiveMismatchError(RuntimeError):
 
 
 class Handle:
-    """An issued collective; `wait()` blocks for it and then runs the completion step (once)."""
+    """An issued collective (one or more works); `wait()` blocks for it and then runs the completion step (once)."""
 
-    def __init__(self, work: Optional[dist.Work], on_done: Optional[Callable[[], None]] = None) -> None:
-        self._work, self._on_done, self.done = work, on_done, False
+    def __init__(self, work: Union[None, dist.Work, List[dist.Work]],
+                 on_done: Optional[Callable[[], None]] = None) -> None:
+        self._works = [] if work is None else work if isinstance(work, list) else [work]
+        self._on_done, self.done = on_done, False
 
     def wait(self) -> None:
         if self.done:
             return
-        if self._work is not None:
-            self._work.wait()
+        for work in self._works:
+            work.wait()
         self.done = True
         if self._on_done is not None:
             self._on_done()
@@ -56,6 +64,9 @@ class Comm:
         # never meet another's.
         Comm._instances += 1
         self._prefix = f"hfz/{Comm._instances}"
+        self._gloo_devices = gloo_device_types(str(dist.get_backend(group))) if self.distributed else set()
+        self._global_ranks = ([dist.get_global_rank(group, r) if group is not None else r
+                               for r in range(self.world_size)] if self.distributed else [0])
         self.reset_stats()
 
     # ------------------------------------------------------------------ ledger
@@ -110,18 +121,50 @@ class Comm:
             return Handle(None)
         self._check("all_gather", tag, out.numel())
         self._record("all_gather", out.numel(), out.element_size())
-        return Handle(_ALL_GATHER(out, inp, group=self.group, async_op=async_op))
+        if out.device.type not in self._gloo_devices:
+            return Handle(_ALL_GATHER(out, inp, group=self.group, async_op=async_op))
+        chunks = out.view(-1).chunk(self.world_size)
+        mine = chunks[self.rank]
+        if mine.data_ptr() != inp.data_ptr():  # stages 1/2 gather in place: the shard already is this chunk
+            mine.copy_(inp.view(-1))
+        works = [dist.broadcast(c, self._global_ranks[r], group=self.group, async_op=True)
+                 for r, c in enumerate(chunks)]
+        return self._issued(works, None, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = True,
                        on_done: Optional[Callable[[], None]] = None) -> Handle:
-        """Sum `inp` over ranks and leave chunk `rank` of the sum in `out`."""
+        """Sum `inp` over ranks and leave chunk `rank` of the sum in `out`.
+
+        `inp` is scratch: afterwards its contents are unspecified (on gloo it is reduced in place). `out` may be
+        `inp`'s own chunk `rank`, which saves a copy and a buffer.
+        """
         if not self.distributed:
             out.copy_(inp)
             return Handle(None, on_done)
         self._check("reduce_scatter", tag, inp.numel())
         self._record("reduce_scatter", inp.numel(), inp.element_size())
-        work = _REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-        return Handle(work, on_done)
+        if inp.device.type not in self._gloo_devices:
+            work = _REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+            return Handle(work, on_done)
+        chunks = inp.view(-1).chunk(self.world_size)
+        works = [dist.reduce(c, self._global_ranks[r], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                 for r, c in enumerate(chunks)]
+        mine = chunks[self.rank]
+
+        def finish() -> None:
+            if mine.data_ptr() != out.data_ptr():
+                out.copy_(mine.view_as(out))
+            if on_done is not None:
+                on_done()
+
+        return self._issued(works, finish, async_op)
+
+    @staticmethod
+    def _issued(works: List[dist.Work], on_done: Optional[Callable[[], None]], async_op: bool) -> Handle:
+        handle = Handle(works, on_done)
+        if not async_op:
+            handle.wait()
+        return handle
 
     def all_reduce(self, tensor: torch.Tensor, tag: str = "", async_op: bool = True,
                    on_done: Optional[Callable[[], None]] = None, control: bool = False,
@@ -140,6 +183,16 @@ class Comm:
         self._check("broadcast", tag, tensor.numel())
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         dist.broadcast(tensor, global_src, group=self.group)
+
+
+def gloo_device_types(backend: str) -> Set[str]:
+    """The device types whose collectives a group with this backend string ("gloo", "nccl",
+    "cpu:gloo,cuda:nccl") runs on gloo."""
+    backend = backend.lower()
+    if ":" not in backend:
+        return {"cpu", "cuda"} if backend == "gloo" else set()
+    pairs = (item.split(":", 1) for item in backend.split(","))
+    return {device.strip() for device, name in pairs if name.strip() == "gloo"}
 
 
 def wait_all(handles: List[Handle]) -> None:

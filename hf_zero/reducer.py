@@ -100,24 +100,18 @@ class Reducer:
             st.handle = self.comm.all_reduce(g.grad_full, tag, on_done=lambda: g.grad_full.div_(world))
             st.dirty = False
         elif self.stage == 1:
-            out = self.pool.take(g.plan.shard_numel, g.grad_full.dtype, g.grad_full.device)
-
-            def done(out=out) -> None:
-                g.grad_shard.copy_(out)
-                self.pool.give(out)
-
-            st.handle = self.comm.reduce_scatter(out, g.grad_full, tag, on_done=done)
+            # In place: the owned range of grad_full is the gradient shard, so the sum lands where the step reads it.
+            st.handle = self.comm.reduce_scatter(g.grad_shard, g.grad_full, tag)
             st.dirty, st.reduced = False, True
         else:
             bucket, st.bucket = st.bucket, None
-            out = self.pool.take(g.plan.shard_numel, bucket.dtype, bucket.device)
+            owned = bucket[g.lo:g.hi]
 
-            def done(out=out, bucket=bucket) -> None:
-                g.grad_shard.add_(out)
-                self.pool.give(out)
+            def done(owned=owned, bucket=bucket) -> None:
+                g.grad_shard.add_(owned)
                 self.pool.give(bucket)
 
-            st.handle = self.comm.reduce_scatter(out, bucket, tag, on_done=done)
+            st.handle = self.comm.reduce_scatter(owned, bucket, tag, on_done=done)
         self.inflight.append(st.handle)
         self._throttle()
         if self.on_launch is not None:

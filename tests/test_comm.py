@@ -1,0 +1,89 @@
+"""Comm's all-gather and reduce-scatter against torch's own collectives and a local sum, at world sizes 1-4.
+
+On gloo, Comm issues these as per-chunk broadcasts and reduces (see hf_zero/comm.py). The inputs are small
+integers stored as floats, so every summation order gives the same bits and results can be compared exactly.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import DistResults
+from hf_zero.comm import Comm, gloo_device_types
+
+WORLD_SIZES = (1, 2, 3, 4)
+CHUNK = 37  # odd, so chunks do not line up with any power-of-two boundary
+
+
+def _rank_input(rank: int, numel: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randint(-50, 50, (numel,), generator=g).float()
+
+
+def collectives(rank, world_size):
+    comm = Comm()
+    n = CHUNK * world_size
+    out = {}
+
+    # reduce-scatter into a separate tensor, and in place into the input's own chunk
+    inp = _rank_input(rank, n)
+    sep = torch.empty(CHUNK)
+    comm.reduce_scatter(sep, inp.clone(), "test rs").wait()
+    buf = inp.clone()
+    owned = buf[rank * CHUNK:(rank + 1) * CHUNK]
+    done = []
+    comm.reduce_scatter(owned, buf, "test rs in place", on_done=lambda: done.append(owned.clone())).wait()
+    native = torch.empty(CHUNK)
+    dist.reduce_scatter_tensor(native, inp.clone())
+    out["rs"], out["rs_in_place"], out["rs_native"], out["rs_on_done"] = sep, owned.clone(), native, done[0]
+
+    # all-gather from a separate shard, and in place from the output's own chunk; synchronous
+    shard = _rank_input(rank, CHUNK)
+    full = torch.full((n,), float("nan"))
+    comm.all_gather(full, shard, "test ag").wait()
+    full2 = torch.full((n,), float("nan"))
+    full2[rank * CHUNK:(rank + 1) * CHUNK].copy_(shard)
+    comm.all_gather(full2, full2[rank * CHUNK:(rank + 1) * CHUNK], "test ag in place", async_op=False)
+    native_full = torch.empty(n)
+    dist.all_gather_into_tensor(native_full, shard)
+    out["ag"], out["ag_in_place"], out["ag_native"] = full, full2, native_full
+    out["ledger"] = comm.snapshot()
+    return out
+
+
+@pytest.fixture(scope="module")
+def dist_results():
+    return DistResults(lambda world_size: [("collectives", collectives, {})])
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_reduce_scatter_equals_sum_of_every_ranks_chunk(dist_results, world_size):
+    n = CHUNK * world_size
+    total = sum(_rank_input(r, n) for r in range(world_size))
+    for rank, res in enumerate(dist_results(world_size, "collectives")):
+        expected = total[rank * CHUNK:(rank + 1) * CHUNK]
+        for key in ("rs", "rs_in_place", "rs_native", "rs_on_done"):
+            assert torch.equal(res[key], expected), (rank, key)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_all_gather_equals_concatenation(dist_results, world_size):
+    expected = torch.cat([_rank_input(r, CHUNK) for r in range(world_size)])
+    for res in dist_results(world_size, "collectives"):
+        for key in ("ag", "ag_in_place", "ag_native"):
+            assert torch.equal(res[key], expected), key
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ledger_books_the_logical_collective(dist_results, world_size):
+    n = CHUNK * world_size
+    for res in dist_results(world_size, "collectives"):
+        ledger = res["ledger"]
+        assert ledger["reduce_scatter"] == {"calls": 2, "elements": 2 * n, "bytes": 2 * n * 4}
+        assert ledger["all_gather"] == {"calls": 2, "elements": 2 * n, "bytes": 2 * n * 4}
+
+
+@pytest.mark.parametrize("backend,expected", [
+    ("gloo", {"cpu", "cuda"}), ("nccl", set()), ("cpu:gloo,cuda:nccl", {"cpu"}), ("CUDA:NCCL, CPU:GLOO", {"cpu"}),
+])
+def test_gloo_device_types(backend, expected):
+    assert gloo_device_types(backend) == expected
