@@ -71,8 +71,10 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
                  steps: int = STEPS, accum: int = ACCUM, mixed_precision: str = "no",
                  grad_accum_dtype: str = "fp32", checkpointing: bool = False, bucket_size: Optional[int] = None,
                  probe_step: Optional[int] = None, zero_checkpointing: Optional[tuple] = None,
-                 offload_optimizer: str = "none", offload_params: str = "none") -> Dict[str, Any]:
-    """The recipe through hf_zero on this rank.  Records per-step comm_stats (reset at each step's start, read
+                 offload_optimizer: str = "none", offload_params: str = "none",
+                 sync_every_micro_batch: bool = False) -> Dict[str, Any]:
+    """The recipe through hf_zero on this rank (`sync_every_micro_batch`: never enter no_sync(), so stages 0/1
+    reduce after every micro-batch and accumulate on top of reduced sums).  Records per-step comm_stats (reset at each step's start, read
     after optimizer.step/zero_grad); at `probe_step` (0-based), after the last backward and before clipping,
     records memory_stats and independent byte counts of the tensors the engine holds."""
     from hf_zero import ZeroConfig, shard_model
@@ -106,7 +108,8 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
         total = 0.0
         for j, mb in enumerate(batches[step]):
             x = models.rank_slice(mb, rank, world_size)
-            ctx = engine.no_sync() if j < accum - 1 else contextlib.nullcontext()
+            last = j == accum - 1 or sync_every_micro_batch
+            ctx = contextlib.nullcontext() if last else engine.no_sync()
             with ctx:
                 loss = engine.model(input_ids=x, labels=x).loss
                 engine.backward(loss / accum)

@@ -25,6 +25,9 @@ def scenarios_for(world_size):
                for kind in models.KINDS]
         sc += [(f"{kind}-{variant}-s{stage}", engine_train, dict(kind=kind, variant=variant, stage=stage))
                for variant in ("frozen_emb", "lora") for kind in models.KINDS for stage in STAGES]
+        sc += [(f"{kind}-full-s{stage}-sync-every", engine_train, dict(kind=kind, stage=stage,
+                                                                        sync_every_micro_batch=True))
+               for kind in models.KINDS for stage in STAGES]
     return sc
 
 
@@ -125,3 +128,12 @@ def test_finetune_variants_match_reference(dist_results, variant, kind, stage):
     assert frozen and all(torch.equal(ref["state"][n], ref["init"][n]) for n in frozen)
     ranks = dist_results(EXTRA_WORLD, f"{kind}-{variant}-s{stage}")
     check_against_reference(ranks, ref, EXTRA_WORLD)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_accumulation_without_no_sync_matches_reference(dist_results, kind, stage):
+    """Every micro-batch's backward synchronises (no no_sync()): stage 0 accumulates onto averaged gradients,
+    stage 1 onto its reduced owned range after the rest of the accumulator was used as reduction scratch."""
+    ranks = dist_results(EXTRA_WORLD, f"{kind}-full-s{stage}-sync-every")
+    check_against_reference(ranks, reference_train(kind, "full", STEPS, ACCUM), EXTRA_WORLD)
