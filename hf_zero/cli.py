@@ -11,7 +11,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="train a causal LM under DDP, FSDP2, torch's ZeroRedundancyOptimizer, "
                                          "DeepSpeed ZeRO-1/2/3 and hf_zero stages 0-3 side by side")
-    from .bench import add_arguments as add_bench_arguments
+    from .bench_cli import add_arguments as add_bench_arguments
 
     add_bench_arguments(bench)
     config = sub.add_parser("config", help="write the Accelerate config and hf_zero.yaml (or --show them)")
@@ -34,7 +34,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "push":
         return checkpoint_cli.run_push(args)
     if args.command == "bench":
-        from .bench import run
+        from .bench_cli import run
 
         return run(args)
     if args.command == "config":

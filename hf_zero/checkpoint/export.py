@@ -30,8 +30,8 @@ import safetensors.torch as _st
 import torch
 import torch.distributed as dist
 
-from .sharded import CheckpointError, _dtype_name, _global, _Source, _swap_into_place, config_texts, \
-    model_config_texts, model_layout, plan_manifest, read_manifest
+from .layout import _dtype_name, config_texts, model_config_texts, model_layout
+from .sharded import CheckpointError, _global, _Source, _swap_into_place, plan_manifest, read_manifest
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine

@@ -15,14 +15,12 @@ agree on success before the rename, so a failure on any rank (or a crash) leaves
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-import tempfile
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
@@ -31,7 +29,8 @@ import safetensors.torch as _st  # called as _st.save_file so a test can patch s
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from torch import nn
+
+from .layout import _dtype_name, _persistent_buffers, model_config_texts, model_layout
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
@@ -58,106 +57,12 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _json_value(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return v.item() if v.numel() == 1 else v.tolist()
     if isinstance(v, tuple):
         return list(v)
     return v
-
-
-# ---------------------------------------------------------------------------------------------- model layout
-def _tied_weight_patterns(model: nn.Module) -> List[str]:
-    """What Transformers' save_pretrained drops from tied groups: every submodule's `_tied_weights_keys`."""
-    out: List[str] = []
-    for name, module in model.named_modules():
-        tied = getattr(module, "_tied_weights_keys", None) or {}
-        out.extend(f"{name}.{k}" if name else k for k in (tied.keys() if isinstance(tied, dict) else tied))
-    return out
-
-
-def _persistent_buffers(model: nn.Module) -> Tuple[List[str], Dict[int, Tuple[torch.Tensor, List[str]]]]:
-    """model.state_dict()'s keys in order (walking modules as state_dict does, without calling it: the stage-3
-    guard refuses it) and the persistent buffers, each once with all its names."""
-    keys: List[str] = []
-    buffers: Dict[int, Tuple[torch.Tensor, List[str]]] = {}
-    extra = []
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        pre = f"{prefix}." if prefix else ""
-        for n, p in module._parameters.items():
-            if p is not None:
-                keys.append(pre + n)
-        for n, b in module._buffers.items():
-            if b is not None and n not in module._non_persistent_buffers_set:
-                keys.append(pre + n)
-                buffers.setdefault(id(b), (b, []))[1].append(pre + n)
-        if type(module).get_extra_state is not nn.Module.get_extra_state:
-            extra.append(pre + "_extra_state")
-    if extra:
-        logger.warning("hf_zero: %s keep extra state (get_extra_state); checkpoints and exports do not include it",
-                       extra[:3])
-    return keys, buffers
-
-
-def model_layout(engine: "ZeroEngine") -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
-    """The model's state-dict layout (for the manifest and the export) and its persistent buffers by name."""
-    model = engine.model
-    keys, buffers = _persistent_buffers(model)
-    slots = {s.name: s for g in engine.plan.groups for s in g.slots}
-    dtype = None
-    for name, p in model.named_parameters():  # PreTrainedModel.dtype: the first floating parameter's dtype
-        if name in slots and slots[name].orig_dtype.is_floating_point:
-            dtype = _dtype_name(slots[name].orig_dtype)
-            break
-    can_generate = getattr(model, "can_generate", None)
-    layout = {
-        "class": type(model).__name__.removeprefix("FSDP"),
-        "transformers": hasattr(model, "save_pretrained") and hasattr(getattr(model, "config", None), "to_json_string"),
-        "dtype": dtype,
-        "can_generate": bool(can_generate()) if callable(can_generate) else False,
-        "num_parameters": sum(s.numel for s in slots.values()),
-        "state_dict_keys": keys,
-        "tied_weight_patterns": _tied_weight_patterns(model),
-        "keys_to_ignore_on_save": sorted(getattr(model, "_keys_to_ignore_on_save", None) or []),
-        "buffers": [{"name": names[0], "aliases": names, "shape": list(b.shape), "dtype": _dtype_name(b.dtype)}
-                    for b, names in buffers.values()],
-    }
-    values = {names[0]: b for b, names in buffers.values()}
-    return layout, values
-
-
-def config_texts(config: Any, generation_config: Any = None, architecture: Optional[str] = None,
-                 dtype: Optional[str] = None) -> Dict[str, bytes]:
-    """config.json (and generation_config.json) as save_pretrained writes them, with `dtype` and `architectures`
-    set as it sets them; {} when `config` is not a Transformers config."""
-    if not hasattr(config, "save_pretrained"):
-        return {}
-    out: Dict[str, bytes] = {}
-    with tempfile.TemporaryDirectory(prefix="hfz_cfg_") as scratch:
-        config = copy.deepcopy(config)
-        if dtype is not None:
-            config.dtype = dtype
-        if architecture is not None:
-            config.architectures = [architecture]
-        config.save_pretrained(scratch)
-        if generation_config is not None:
-            generation_config.save_pretrained(scratch)
-        for name in ("config.json", "generation_config.json"):
-            path = Path(scratch) / name
-            if path.is_file():
-                out[name] = path.read_bytes()
-    return out
-
-
-def model_config_texts(model: nn.Module, dtype: Optional[str]) -> Dict[str, bytes]:
-    """The config files save_pretrained writes for `model` (generation config only if it can generate)."""
-    can_generate = getattr(model, "can_generate", None)
-    gen = getattr(model, "generation_config", None) if callable(can_generate) and can_generate() else None
-    return config_texts(getattr(model, "config", None), gen, type(model).__name__.removeprefix("FSDP"), dtype)
 
 
 # ---------------------------------------------------------------------------------------------- save

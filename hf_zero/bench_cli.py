@@ -1,0 +1,229 @@
+"""`hf-zero bench` on the command line: the arguments, one run per system (bench.py), the table, --json, --plot."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from typing import Any, Dict, Iterator, List, Optional
+
+from .bench import (DEFAULT_TIMEOUT_S, PRESETS, SYSTEMS, Settings, _load_model_config, _log, _max_positions,
+                    build_config, run_system, skipped_row)
+
+
+# ====================================================================================================== table
+def _fmt_mib(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x / 2**20:,.2f}"
+
+
+def _fmt_count(x: Optional[float]) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
+
+
+def status_text(row: Dict[str, Any]) -> str:
+    """The row's status for people: "ok", "skipped: <reason>" or "error: <exception>"."""
+    status = row.get("status", "")
+    return f"{status}: {row['reason']}" if status == "skipped" and row.get("reason") else status
+
+
+def format_table(rows: List[Dict[str, Any]]) -> str:
+    """The rows as an aligned text table (one line per system, skipped and failed ones included)."""
+    header = ["system", "tokens/s", "x DDP", "state MiB/rank measured", "state MiB/rank formula", "peak MiB/rank",
+              "comm elems/step measured", "comm elems/step formula", "status"]
+    body = []
+    for r in rows:
+        ok = r.get("status") == "ok"
+        ratio = r.get("x_ddp")
+        body.append([
+            r["system"],
+            f"{r['tokens_per_s']:,.1f}" if ok else "-",
+            f"{ratio:.3f}" if ratio is not None else "n/a",
+            _fmt_mib(r.get("state_bytes_measured")) if ok else "-",
+            _fmt_mib(r.get("state_bytes_formula")) if ok else "-",
+            _fmt_mib(r.get("peak_bytes")) if ok else "-",
+            _fmt_count(r.get("comm_elements_measured")) if ok else "-",
+            _fmt_count(r.get("comm_elements_formula")) if ok else "-",
+            status_text(r),
+        ])
+    widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
+    left = {0, len(header) - 1}
+
+    def line(cells: List[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+# ====================================================================================================== CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                       help="model shapes: gpt2 = GPT-2 small (124M), tiny = a ~141K-parameter GPT-2 (default: gpt2)")
+    model.add_argument("--config", default=None, metavar="PATH",
+                       help="a Transformers config.json (with model_type) to build the causal LM from")
+    parser.add_argument("--systems", default="all",
+                        help=f"comma-separated systems or 'all' (default); known: {', '.join(SYSTEMS)}")
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first (default 1)")
+    parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank per micro-batch (default 2)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    parser.add_argument("--mixed-precision", choices=("no", "bf16"), default="no",
+                        help="no: fp32 everywhere; bf16: bf16 compute with fp32 master weights and AdamW states")
+    parser.add_argument("--num-processes", type=int, default=2, help="world size (default 2)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the random tokens")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                        help=f"seconds one system may take before it is killed (default {DEFAULT_TIMEOUT_S})")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="write one JSON line with every row and the settings to PATH ('-' for stdout; the table "
+                             "then goes to stderr)")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="draw tokens/s and bytes per rank per system to this PNG (needs matplotlib: "
+                             "pip install 'hf_zero[bench]')")
+
+
+def _parse_systems(text: str) -> List[str]:
+    if text.strip().lower() == "all":
+        return list(SYSTEMS)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+    if not names:
+        raise ValueError("--systems is empty")
+    seen: List[str] = []
+    for n in names:
+        if n not in seen:
+            seen.append(n)
+    return seen
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def _extensions_dir(needed: bool) -> Iterator[None]:
+    """A temporary TORCH_EXTENSIONS_DIR for the workers (inherited), unless the user set one: a peer that
+    JIT-compiles an op must not fill ~/.cache; one folder for the whole run, so the systems share one build."""
+    if not needed or os.environ.get("TORCH_EXTENSIONS_DIR"):
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="hfz_bench_torch_extensions_")
+    os.environ["TORCH_EXTENSIONS_DIR"] = folder
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_one(i: int, system: str, systems: List[str], settings: Settings) -> Dict[str, Any]:
+    """One system's row: skipped when its optional extra is missing, else run in its own worker group."""
+    tag = f"[{i + 1}/{len(systems)}] {system}"
+    spec = SYSTEMS[system]
+    reason = spec.unavailable() if spec.unavailable is not None else None
+    if reason is not None:
+        _log(f"{tag} skipped: {reason}")
+        return skipped_row(system, reason)
+    _log(f"{tag} ...")
+    t0 = time.monotonic()
+    row = run_system(system, settings)
+    row["wall_s"] = time.monotonic() - t0
+    if row["status"] == "ok":
+        _log(f"{tag}: {row['tokens_per_s']:,.1f} tokens/s ({row['wall_s']:.0f}s including start-up)")
+    else:
+        _log(f"{tag} FAILED:\n{row.get('error', row['status'])}")
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    """`hf-zero bench`: run every requested system, print the table, write --json and --plot; the exit code is
+    1 when an hf_zero system failed, 2 on bad arguments, else 0 (peers that fail or are skipped do not count)."""
+    try:
+        systems = _parse_systems(args.systems)
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "num_processes"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if args.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+        if args.preset is None and args.config is None:
+            args.preset = "gpt2"
+        model_config, model_name = _load_model_config(args)
+        max_pos = _max_positions(build_config(model_config))
+        if max_pos is not None and args.seq_len > max_pos:
+            raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {max_pos} positions")
+        if getattr(args, "plot", None):
+            from .bench_plot import check_matplotlib
+
+            check_matplotlib()  # before minutes of training, not after
+    except (ValueError, OSError, ImportError) as exc:
+        print(f"hf-zero bench: error: {exc}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    world = args.num_processes
+    if torch.cuda.is_available() and torch.cuda.device_count() < world:
+        print(f"hf-zero bench: error: {world} processes but {torch.cuda.device_count()} GPUs", file=sys.stderr)
+        return 2
+    settings = Settings(
+        model_config=model_config, model_name=model_name, steps=args.steps, warmup=args.warmup,
+        batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
+        mixed_precision=args.mixed_precision, num_processes=world, lr=args.lr, seed=args.seed,
+        timeout_s=args.timeout, threads_per_rank=max(1, _cpu_count() // world),
+    )
+    _log(f"model {model_name}, world {world} ({'nccl' if torch.cuda.is_available() else 'gloo'}), "
+         f"batch {settings.batch_size} x seq {settings.seq_len} x accum {settings.grad_accum} per rank, "
+         f"{settings.warmup} warmup + {settings.steps} timed steps, mixed precision {settings.mixed_precision}, "
+         f"{settings.threads_per_rank} threads per rank")
+
+    with _extensions_dir(any(SYSTEMS[name].jit_extensions for name in systems)):
+        rows = [_run_one(i, system, systems, settings) for i, system in enumerate(systems)]
+
+    ddp = next((r for r in rows if r["system"] == "ddp" and r["status"] == "ok"), None)
+    for r in rows:
+        ok = r["status"] == "ok" and ddp is not None and ddp["tokens_per_s"] > 0
+        r["x_ddp"] = r["tokens_per_s"] / ddp["tokens_per_s"] if ok else None
+
+    table = format_table(rows)
+    to_stdout = args.json != "-"
+    print(table, file=sys.stdout if to_stdout else sys.stderr, flush=True)
+
+    if args.json:
+        payload = {"settings": {**asdict(settings), "systems": systems, "tokens_per_step": settings.tokens_per_step,
+                                "backend": "nccl" if torch.cuda.is_available() else "gloo",
+                                "torch": torch.__version__},
+                   "rows": [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+                            for r in rows]}
+        text = json.dumps(payload)
+        if args.json == "-":
+            print(text, flush=True)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+
+    if getattr(args, "plot", None):
+        from .bench_plot import plot_rows
+
+        plot_rows(rows, args.plot, title=f"{model_name}, {world} ranks, {settings.tokens_per_step:,} tokens/step, "
+                                         f"mixed precision {settings.mixed_precision}")
+        _log(f"plot written to {args.plot}")
+
+    failed_hf_zero = [r["system"] for r in rows if r["status"] != "ok" and r.get("hf_zero")]
+    if failed_hf_zero:
+        _log(f"hf_zero system(s) failed: {', '.join(failed_hf_zero)}")
+        return 1
+    return 0
