@@ -94,11 +94,11 @@ def activation_saved_tensors(act_name: str) -> int:
     """How many input-sized tensors an HF activation function keeps for its backward (its output excluded: that one
     is the next projection's input and is counted there). Found by running it once on a tiny tensor, so unfused
     Python activations (GPT-2's gelu_new keeps 4) are counted as they really are."""
-    from transformers.activations import ACT2FN
+    from .integrations.hf_models import activation_function
 
-    if not isinstance(act_name, str) or act_name not in ACT2FN:
+    act = activation_function(act_name)
+    if act is None:
         return 1  # unknown to Transformers: assume a fused kernel that keeps its input, as the paper does
-    act = ACT2FN[act_name]
     x = torch.linspace(-3, 3, 16).reshape(2, 8).requires_grad_()  # no randn: leave the caller's RNG alone
     saved: Dict[int, int] = {}
 

@@ -90,13 +90,10 @@ def _load_model_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], str]:
 
 def build_config(model_config: Dict[str, Any]):
     """A transformers config from a dict, with every dropout probability set to 0 and the KV cache off."""
-    import transformers
-    from transformers import AutoConfig
+    from .integrations.hf_models import config_from_dict, quiet
 
-    transformers.logging.set_verbosity_error()
-    values = dict(model_config)
-    model_type = values.pop("model_type")
-    config = AutoConfig.for_model(model_type, **values)
+    quiet()
+    config = config_from_dict(model_config)
     for key, value in list(config.to_dict().items()):
         if isinstance(value, float) and not isinstance(value, bool) and (
                 "dropout" in key or "pdrop" in key) and hasattr(config, key):
@@ -232,17 +229,15 @@ def _peak_bytes(device) -> int:
 def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
-    import transformers
-    from transformers import AutoModelForCausalLM
-
+    from .integrations.hf_models import causal_lm_from_config, quiet
     from .memory import model_state_bytes
 
-    transformers.logging.set_verbosity_error()
+    quiet()
     s = ctx.settings
     spec = SYSTEMS[system]
     config = build_config(s.model_config)
     torch.manual_seed(s.seed)  # every rank and every system starts from the same weights
-    model = AutoModelForCausalLM.from_config(config).to(ctx.device)
+    model = causal_lm_from_config(config).to(ctx.device)
     model.train()
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)  # distinct tensors: tied weights once
     vocab = int(config.vocab_size)

@@ -19,7 +19,6 @@ import argparse
 import bisect
 import dataclasses
 import json
-import os
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -41,32 +40,11 @@ STEP_BYTES = 4  # torch's Adam/AdamW keep `step` as a 0-d float32 tensor per par
 # ------------------------------------------------------------------------------------------------- model building
 def meta_model(path_or_config: Any) -> nn.Module:
     """A causal LM on the meta device from a local config.json (or its folder), or a PretrainedConfig."""
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+    from .integrations.hf_models import causal_lm_from_config, config_from_path
 
-    if isinstance(path_or_config, PretrainedConfig):
-        cfg = path_or_config
-    else:
-        path = str(path_or_config)
-        if os.path.isdir(path):
-            cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-        elif os.path.isfile(path):
-            cfg = _config_from_file(path)
-        else:
-            raise FileNotFoundError(f"{path}: no such config file or folder (estimate reads local configs only)")
+    cfg = config_from_path(path_or_config)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg)
-
-
-def _config_from_file(path: str):
-    """A config file not named config.json: read it as a dict (its "model_type" picks the class)."""
-    from transformers import AutoConfig
-
-    with open(path) as f:
-        values = json.load(f)
-    model_type = values.pop("model_type", None)
-    if model_type is None:
-        raise ValueError(f"{path}: no 'model_type' key; cannot tell which architecture to build")
-    return AutoConfig.for_model(model_type, **values)
+        return causal_lm_from_config(cfg)
 
 
 # ------------------------------------------------------------------------------------------------- exact plan bytes
@@ -388,7 +366,12 @@ def run(args: argparse.Namespace) -> int:
             out["fits"] = {"gb": args.fits, "min_world_size": fits_formula(args.params, r, budget, stages)}
     else:
         config = ZeroConfig(mixed_precision=args.mixed_precision, grad_accum_dtype=args.grad_accum_dtype or "fp32")
-        model = meta_model(args.model)
+        try:
+            model = meta_model(args.model)
+        except (OSError, ValueError) as exc:  # a missing or unreadable config: say which, no traceback
+            print(f"hf-zero estimate: error: {exc}. Give --model a local config.json or model folder, or --params N",
+                  file=sys.stderr)
+            return 2
         planner = Planner(model, config)
         out = plan_report(model, n or 1, config, stages, micro_batches=args.micro_batches, planner=planner) if n \
             else {"mode": "plan", "stages": {}}

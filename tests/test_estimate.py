@@ -368,3 +368,17 @@ def test_activation_report_and_fits_cli(tmp_path, capsys):
     assert main(args) == 0  # the table
     table = capsys.readouterr().out
     assert "Activations per device" in table and "Korthikanti" in table and "with activations, checkpointing" in table
+
+
+def test_missing_or_incomplete_config_is_a_clear_error(tmp_path, capsys):
+    from hf_zero.cli import main
+
+    missing = tmp_path / "nope.json"
+    assert main(["estimate", "--model", str(missing), "--num-processes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "no such config file" in err and "Traceback" not in err
+    untyped = tmp_path / "untyped.json"
+    untyped.write_text('{"n_embd": 8}')
+    assert main(["estimate", "--model", str(untyped), "--num-processes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert str(untyped) in err and "model_type" in err

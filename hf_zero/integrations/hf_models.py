@@ -1,0 +1,57 @@
+"""The Transformers calls the tools on top (estimate, activation_estimate, bench) make: configs from dicts or
+files, causal LMs from configs, activation functions by name. They live here so that Transformers is imported in
+`integrations/` only; callers import this module inside their functions, so `hf-zero --help` stays light.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Dict, Optional
+
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import logging as hf_logging
+from transformers.activations import ACT2FN
+
+
+def quiet() -> None:
+    """Only Transformers' errors on the console (benchmarks build many models from configs)."""
+    hf_logging.set_verbosity_error()
+
+
+def config_from_dict(values: Dict[str, Any]) -> PretrainedConfig:
+    """A config from a dict whose "model_type" picks the class."""
+    values = dict(values)
+    model_type = values.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("no 'model_type' key; cannot tell which architecture to build")
+    return AutoConfig.for_model(model_type, **values)
+
+
+def config_from_path(path_or_config: Any) -> PretrainedConfig:
+    """A config from a PretrainedConfig (returned as is), a local model folder, or a local JSON file."""
+    if isinstance(path_or_config, PretrainedConfig):
+        return path_or_config
+    path = str(path_or_config)
+    if os.path.isdir(path):
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such config file or folder (only local configs are read)")
+    with open(path) as f:
+        values = json.load(f)
+    try:
+        return config_from_dict(values)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def causal_lm_from_config(config: PretrainedConfig) -> nn.Module:
+    """`AutoModelForCausalLM.from_config` on the current default device (meta inside `torch.device("meta")`)."""
+    return AutoModelForCausalLM.from_config(config)
+
+
+def activation_function(name: Any) -> Optional[Callable]:
+    """Transformers' activation module for `name` (config.hidden_act and friends), or None if it has none."""
+    if not isinstance(name, str) or name not in ACT2FN:
+        return None
+    return ACT2FN[name]
