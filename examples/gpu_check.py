@@ -49,7 +49,7 @@ def build_model(layers: int, width: int):
 
 def run_config(cfg: Dict[str, Any], args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
     from hf_zero import ZeroConfig, shard_model
-    from hf_zero.activations import enable_activation_checkpointing
+    from hf_zero.engine.activations import enable_activation_checkpointing
 
     cuda = device.type == "cuda"
     model = build_model(args.layers, args.width).to(device)

@@ -1,7 +1,6 @@
 """hf_zero: the Zero Redundancy Optimizer (stages 1-3 and ZeRO-R) on torch.distributed, for Hugging Face."""
 from .config import ZeroConfig, ZeroConfigError
-from .engine import ZeroEngine, shard_model
-from .optimizer import ZeroOptimizer
+from .engine import ZeroEngine, ZeroOptimizer, shard_model
 
 __all__ = ["ZeroConfig", "ZeroConfigError", "ZeroEngine", "ZeroOptimizer", "shard_model", "HfZeroAccelerator", "ZeroPlugin",
            "ZeroTrainer", "ZeroTrainingArguments"]

@@ -11,7 +11,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="train a causal LM under DDP, FSDP2, torch's ZeroRedundancyOptimizer, "
                                          "DeepSpeed ZeRO-1/2/3 and hf_zero stages 0-3 side by side")
-    from .bench_cli import add_arguments as add_bench_arguments
+    from .tools.bench.cli import add_arguments as add_bench_arguments
 
     add_bench_arguments(bench)
     config = sub.add_parser("config", help="write the Accelerate config and hf_zero.yaml (or --show them)")
@@ -23,7 +23,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     checkpoint_cli.add_consolidate_arguments(sub.add_parser(
         "consolidate", help="write the save_pretrained layout from a sharded checkpoint (offline, bounded memory)"))
     checkpoint_cli.add_push_arguments(sub.add_parser("push", help="upload an exported folder to the Hugging Face Hub"))
-    from . import estimate
+    from .tools.estimate import cli as estimate
 
     estimate.add_arguments(sub.add_parser("estimate", help="model-state memory and communication per rank, stages 0-3"))
     args = parser.parse_args(argv)
@@ -34,7 +34,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "push":
         return checkpoint_cli.run_push(args)
     if args.command == "bench":
-        from .bench_cli import run
+        from .tools.bench.cli import run
 
         return run(args)
     if args.command == "config":

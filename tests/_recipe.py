@@ -85,7 +85,7 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
     if checkpointing:
         models.enable_checkpointing(model)
     if zero_checkpointing is not None:  # (mode, cpu): hf_zero's own checkpoint function
-        from hf_zero.activations import enable_activation_checkpointing
+        from hf_zero.engine.activations import enable_activation_checkpointing
 
         enable_activation_checkpointing(model, *zero_checkpointing)
     # Calls of a module inside each decoder layer: 1 per micro-batch, 2 with activation checkpointing (the backward

@@ -187,8 +187,8 @@ def test_deepspeed_config_trains_like_the_other_systems():
     the tiny model's small gradients never reach (so the loss check above cannot see it) but GPT-2's do."""
     import torch
 
-    from hf_zero.bench import Settings, WorkerContext
-    from hf_zero.bench_deepspeed import deepspeed_config
+    from hf_zero.tools.bench.base import Settings, WorkerContext
+    from hf_zero.tools.bench.deepspeed import deepspeed_config
 
     settings = Settings(model_config={}, model_name="tiny", steps=1, warmup=0, batch_size=3, seq_len=8, grad_accum=2,
                         mixed_precision="no", num_processes=WORLD, lr=1e-4, seed=0, timeout_s=60)
@@ -217,7 +217,7 @@ def test_deepspeed_missing_rows_are_skipped_with_the_reason(tmp_path):
 
 def test_plot_is_a_png_of_the_declared_size(bench):
     matplotlib_image = pytest.importorskip("matplotlib.image", reason="--plot needs matplotlib")
-    from hf_zero.bench_plot import DPI, FIGSIZE
+    from hf_zero.tools.bench.plot import DPI, FIGSIZE
 
     _, proc, png = bench
     assert f"plot written to {png}" in proc.stderr

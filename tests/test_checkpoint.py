@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 import models
 from _dist import DistResults
+from hf_zero.checkpoint import export_pretrained, load_checkpoint, save_checkpoint
 
 WORLD = 4
 STEPS = 4
@@ -146,11 +147,11 @@ def _resume(rank, world_size, kind, phases, root):
             # phase > 0 starts from a differently seeded model: only the load can make it right
             engine = _make_engine(kind, stage, group, seed=0 if i == 0 else 7, bucket=BUCKETS[i])
             if i > 0:
-                manifest = engine.load_checkpoint(os.path.join(root, f"p{i - 1}"))
+                manifest = load_checkpoint(engine, os.path.join(root, f"p{i - 1}"))
                 assert manifest["world_size"] == phases[i - 1][0] and manifest["step"] == step0
             _train(engine, rank, n, range(step0, step0 + nsteps), batches)
             if i < len(phases) - 1:
-                engine.save_checkpoint(os.path.join(root, f"p{i}"), step=step0 + nsteps)
+                save_checkpoint(engine, os.path.join(root, f"p{i}"), step=step0 + nsteps)
             else:
                 out = _collect(engine)
             engine.close()
@@ -186,13 +187,13 @@ def save_failure(rank, world_size, root):
         try:
             _train(engine, rank, n, range(0, 1), batches)
             path = os.path.join(root, "ckpt")
-            engine.save_checkpoint(path, step=1)
+            save_checkpoint(engine, path, step=1)
             after_first = engine.full_state_dict()
             _train(engine, rank, n, range(1, 2), batches)
             moved = engine.full_state_dict()
             err = None
             try:
-                engine.save_checkpoint(path, step=2)
+                save_checkpoint(engine, path, step=2)
             except CheckpointError as exc:
                 err = str(exc)
         finally:
@@ -362,12 +363,12 @@ def _engine_1proc(kind="gpt2"):
 
 
 def _load_error(path, kind="gpt2"):
-    from hf_zero.checkpoint import CheckpointError, export_pretrained
+    from hf_zero.checkpoint import CheckpointError
 
     engine = _engine_1proc(kind)
     try:
         with pytest.raises(CheckpointError) as load_err:
-            engine.load_checkpoint(str(path))
+            load_checkpoint(engine, str(path))
     finally:
         engine.close()
     with pytest.raises(CheckpointError) as export_err:
@@ -379,7 +380,7 @@ def _load_error(path, kind="gpt2"):
 def test_damaged_checkpoints_give_clear_errors(saved_w2, tmp_path):
     # intact: loads at world size 1 (the baseline for the cases below)
     engine = _engine_1proc()
-    assert engine.load_checkpoint(saved_w2)["world_size"] == 2
+    assert load_checkpoint(engine, saved_w2)["world_size"] == 2
     engine.close()
     rank1 = "rank00001-of-00002.safetensors"
 
@@ -419,7 +420,7 @@ def test_checkpoint_of_another_model_is_refused(saved_w2):
     engine = _engine_1proc("llama")
     try:
         with pytest.raises(CheckpointError, match="saved from another model.*GPT2LMHeadModel.*LlamaForCausalLM"):
-            engine.load_checkpoint(saved_w2)
+            load_checkpoint(engine, saved_w2)
     finally:
         engine.close()
 

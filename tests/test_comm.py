@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import DistResults
-from hf_zero.comm import Comm, gloo_device_types
+from hf_zero.engine.comm import Comm, gloo_device_types
 
 WORLD_SIZES = (1, 2, 3, 4)
 CHUNK = 37  # odd, so chunks do not line up with any power-of-two boundary

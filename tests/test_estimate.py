@@ -22,12 +22,12 @@ from torch.utils._pytree import tree_leaves
 import models
 from _dist import DistResults
 from hf_zero.config import ZeroConfig
-from hf_zero.activation_estimate import (ActivationShape, activation_bytes, activation_saved_tensors,
+from hf_zero.tools.estimate.activations import (ActivationShape, activation_bytes, activation_saved_tensors,
                                          activation_shape, layer_activation_bytes, paper_layer_bytes)
-from hf_zero.estimate import (estimate_plan, fits_formula, formula_recipe, formula_report, max_over_ranks, plan_bytes,
-                              upper_bound_bytes)
-from hf_zero.memory import model_state_bytes, paper_table
-from hf_zero.planning import plan_model
+from hf_zero.tools.estimate.plan import (estimate_plan, fits_formula, formula_recipe, formula_report, max_over_ranks, plan_bytes,
+                                          upper_bound_bytes)
+from hf_zero.tools.estimate.formulas import model_state_bytes, paper_table
+from hf_zero.engine.planning import plan_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD_SIZES = (1, 2, 3, 4)
@@ -177,7 +177,7 @@ def test_large_configs_run_in_seconds(tmp_path, name, values, n, psi_range):
 
 
 # ------------------------------------------------------------------------------------------------------ activations
-# The estimate (hf_zero.activation_estimate.activation_bytes, a formula) is checked against two measurements of real tiny HF
+# The estimate (hf_zero.tools.estimate.activations.activation_bytes, a formula) is checked against two measurements of real tiny HF
 # models in train mode on the CPU, with eager or sdpa attention, fp32 or bf16, with and without hf_zero's
 # activation checkpointing:
 #   - LiveBytes: every tensor storage an aten op creates is counted until it is freed (a weakref finaliser on the
@@ -243,7 +243,7 @@ def saved_tensor_bytes(model, ids):
 def act_model(kind, dtype, attention, dropout=0.0, checkpointing=False):
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-    from hf_zero.activations import enable_activation_checkpointing
+    from hf_zero.engine.activations import enable_activation_checkpointing
 
     if kind == "gpt2":
         cfg = GPT2Config(vocab_size=256, n_positions=ACT_SEQ, n_embd=64, n_layer=3, n_head=4, use_cache=False,
@@ -354,7 +354,8 @@ def test_activation_report_and_fits_cli(tmp_path, capsys):
     assert fits["with_activations"]["no_checkpointing"]["3"] is None  # > 80 GB of activations alone
     n3 = fits["with_activations"]["checkpointing"]["3"]
     assert n3 is not None
-    from hf_zero.estimate import Planner, meta_model
+    from hf_zero.integrations.hf_models import meta_model
+    from hf_zero.tools.estimate.plan import Planner
 
     model, zc = meta_model(str(path)), ZeroConfig(mixed_precision="bf16")
     planner = Planner(model, zc)

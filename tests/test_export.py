@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 import models
 from _dist import DistResults
+from hf_zero.checkpoint import export_pretrained, load_checkpoint, save_checkpoint
 
 WORLD = 4
 SMALL = "20KB"  # tiny models: ~52 KB (GPT-2) / ~178 KB (Llama) of weights -> 3 / 9 files
@@ -65,7 +66,7 @@ def _group(n):
 
 def export_scenario(rank, world_size, name, kind, variant, stage, n, shard_size, mp, root):
     from hf_zero import ZeroConfig, shard_model
-    from hf_zero.checkpoint import export_pretrained
+
 
     group = _group(n)
     out = None
@@ -86,7 +87,7 @@ def export_scenario(rank, world_size, name, kind, variant, stage, n, shard_size,
         if name == BF16_EXPORT:
             export_pretrained(engine, os.path.join(base, "online-bf16"), max_shard_size=shard_size, dtype="bf16",
                               progress=False)
-        engine.save_checkpoint(os.path.join(base, "ckpt"), step=1)
+        save_checkpoint(engine, os.path.join(base, "ckpt"), step=1)
         out = {"state": {k: v.clone() for k, v in sd.items()} if sd else None, "path": str(path),
                "largest_group": max(g.plan.padded_numel for g in engine.groups)}
         engine.close()
@@ -99,7 +100,7 @@ def export_failure(rank, world_size, root):
     ranks raise, the earlier export in the folder is untouched, and the engine can export again."""
     import safetensors.torch as st
     from hf_zero import ZeroConfig, shard_model
-    from hf_zero.checkpoint import CheckpointError, export_pretrained
+    from hf_zero.checkpoint import CheckpointError
 
     n, out = 2, None
     if rank < n:
@@ -268,7 +269,7 @@ def test_failed_online_export_leaves_folder_unchanged(dist_results):
 def test_consolidate_config_tokenizer_and_existing_folder(dist_results, root, tmp_path):
     """--config (a folder, a JSON file, a PretrainedConfig), a tokenizer, and re-exporting into a folder that holds
     a README and an earlier export's shards (the README stays, stale shards go)."""
-    from hf_zero.checkpoint import export_pretrained
+
     from tokenizers import Tokenizer, models as tok_models
     from transformers import GPT2Config, PreTrainedTokenizerFast
 
@@ -324,7 +325,7 @@ def test_offline_export_memory_is_bounded(dist_results, root, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, GPT2Config
 
     from hf_zero import ZeroConfig, shard_model
-    from hf_zero.planning import plan_model
+    from hf_zero.engine.planning import plan_model
 
     # a model ~8x the shard size: its save_pretrained (before sharding: at stages 0-2 the parameters become views
     # of flat buffers and save_pretrained would size the tied embedding by its whole buffer in the index), and a
@@ -336,7 +337,7 @@ def test_offline_export_memory_is_bounded(dist_results, root, tmp_path, capsys):
     largest_unit = plan_model(model, 1, ZeroConfig(stage=3)).largest_unit_numel() * 4
     model.save_pretrained(tmp_path / "big-ref", max_shard_size="20MB")
     engine = shard_model(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=1))
-    engine.save_checkpoint(tmp_path / "big-ckpt")
+    save_checkpoint(engine, tmp_path / "big-ckpt")
     engine.close()
     del engine, model
 

@@ -4,7 +4,7 @@ Each notebook is executed once per test session with nbclient on a ``python3`` k
 with the small CI parameters below (environment variables its first cell reads). A cell that raises fails the
 notebook's tests; so does a plot that is not both displayed (an image/png output) and saved (a PNG file). The
 numbers each notebook writes to ``summary.json`` are then checked against independent references: the paper's
-model-state formulas (hf_zero.memory), its 2Ψ / 3Ψ communication counts and the activation formula of Korthikanti
+model-state formulas (hf_zero.tools.estimate.formulas), its 2Ψ / 3Ψ communication counts and the activation formula of Korthikanti
 et al. 2022. Needs the ``notebook`` extra (matplotlib, nbclient, nbformat, ipykernel); skipped without it.
 """
 import json
@@ -16,9 +16,9 @@ from unittest import mock
 
 import pytest
 
-from hf_zero.activation_estimate import paper_layer_bytes
-from hf_zero.memory import comm_elements_per_step, model_state_bytes, recipe
-from hf_zero.notebook_utils import is_png
+from hf_zero.tools.estimate.activations import paper_layer_bytes
+from hf_zero.tools.estimate.formulas import comm_elements_per_step, model_state_bytes, recipe
+from hf_zero.tools.notebook import is_png
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")

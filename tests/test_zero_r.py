@@ -215,7 +215,7 @@ def _tp_optimizer(model):
 def tp_train(rank, world_size, stage, cpu):
     import torch.distributed as dist
     from hf_zero import ZeroConfig, shard_model
-    from hf_zero.activations import enable_activation_checkpointing
+    from hf_zero.engine.activations import enable_activation_checkpointing
 
     t, d = rank % TP, rank // TP
     tp_groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world_size // TP)]

@@ -6,7 +6,7 @@ import sys
 
 
 def add_consolidate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a sharded checkpoint folder (engine.save_checkpoint)")
+    parser.add_argument("checkpoint", help="a sharded checkpoint folder (hf_zero.checkpoint.save_checkpoint)")
     parser.add_argument("out_dir", help="where to write the save_pretrained layout (replaced atomically)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest output file, as save_pretrained's (default 5GB)")
     parser.add_argument("--dtype", default=None, help="cast floating tensors: bf16, fp16, fp32 (default: as trained)")

@@ -30,8 +30,8 @@ import safetensors.torch as _st
 import torch
 import torch.distributed as dist
 
-from .layout import _dtype_name, config_texts, model_config_texts, model_layout
-from .sharded import CheckpointError, _global, _Source, _swap_into_place, plan_manifest, read_manifest
+from .layout import config_texts, dtype_name, model_config_texts, model_layout
+from .sharded import CheckpointError, CheckpointSource, plan_manifest, read_manifest, swap_into_place
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
@@ -143,7 +143,7 @@ class _FileReader:
 
     collective = False
 
-    def __init__(self, src: _Source) -> None:
+    def __init__(self, src: CheckpointSource) -> None:
         self.src = src
 
     def __call__(self, e: _Entry) -> torch.Tensor:
@@ -153,7 +153,7 @@ class _FileReader:
         return flat.to(e.dtype).view(e.shape)
 
     def close(self) -> None:
-        self.src._handles.clear()
+        self.src.close()
 
 
 class _EngineReader:
@@ -277,7 +277,7 @@ def _complete(tmp: Path, out_dir: Path, configs: Dict[str, bytes], tokenizer: An
         (tmp / name).write_bytes(text)
     _save_tokenizer(tokenizer, tmp)
     _carry_over(out_dir, tmp)
-    _swap_into_place(tmp, out_dir)
+    swap_into_place(tmp, out_dir)
 
 
 # ---------------------------------------------------------------------------------------------- the writer
@@ -330,7 +330,7 @@ def export_pretrained(src: Union["ZeroEngine", str, os.PathLike], out_dir: Union
 
     Args:
         src: a `ZeroEngine` (collective: call on every rank; rank 0 writes) or a sharded checkpoint folder
-            written by `engine.save_checkpoint` (offline: no process group, no model code).
+            written by `save_checkpoint(engine, dir)` (offline: no process group, no model code).
         out_dir: the output folder; replaced atomically (files there that an export does not write are kept,
             earlier weight files are not).
         model_config: a `PretrainedConfig`, a folder with `config.json` (and maybe `generation_config.json`) or a
@@ -362,14 +362,14 @@ def _export_dir(ckpt: Path, out_dir: Path, model_config, tokenizer, max_shard_si
         raise CheckpointError(f"{ckpt} was saved by an hf_zero without the model's state-dict layout (checkpoint "
                               f"format v{manifest.get('format_version')}): load it into the engine and save it again "
                               f"(or export from the engine)")
-    src = _Source(ckpt, manifest, verify=verify)
+    src = CheckpointSource(ckpt, manifest, verify=verify)
     entries = _entries(manifest["groups"], model)
     for r in range(src.world):  # fail before writing anything: every rank file present, sized, intact
         src.check_file(f"rank{r:05d}-of-{src.world:05d}.safetensors")
     src.verify = False  # just checked
     base = {n: (ckpt / n).read_bytes() for n in ("config.json", "generation_config.json") if (ckpt / n).is_file()}
-    dtype_name = _dtype_name(dtype) if dtype is not None else model["dtype"]
-    configs = _config_files(model_config, model, base, dtype_name)
+    out_dtype = dtype_name(dtype) if dtype is not None else model["dtype"]
+    configs = _config_files(model_config, model, base, out_dtype)
     if "config.json" not in configs:
         logger.warning("hf_zero: %s has no config.json and no model_config was given: the export holds weights "
                        "only (from_pretrained needs a config)", ckpt)
@@ -391,8 +391,7 @@ def _export_engine(engine: "ZeroEngine", out_dir: Path, model_config, tokenizer,
                    progress) -> Path:
     comm = engine.comm
     multi = comm.distributed and comm.world_size > 1
-    if engine.reducer.inflight:
-        engine.reducer.finalize()
+    engine.wait()  # no reduction of the engine's may still be in flight beside the export's own collectives
     layout, _ = model_layout(engine)
     entries = _entries(plan_manifest(engine), layout)
     reader = _EngineReader(engine)
@@ -402,9 +401,9 @@ def _export_engine(engine: "ZeroEngine", out_dir: Path, model_config, tokenizer,
     configs: Dict[str, bytes] = {}
     if comm.rank == 0:
         try:
-            dtype_name = _dtype_name(dtype) if dtype is not None else layout["dtype"]
+            out_dtype = dtype_name(dtype) if dtype is not None else layout["dtype"]
             configs = _config_files(model_config, layout, model_config_texts(engine.model, layout["dtype"]),
-                                    dtype_name)
+                                    out_dtype)
             tmp = _new_tmp(out_dir)
         except Exception as exc:
             if not multi:
@@ -428,7 +427,7 @@ def _export_engine(engine: "ZeroEngine", out_dir: Path, model_config, tokenizer,
             shutil.rmtree(tmp, ignore_errors=True)
     status = [error]
     if multi:
-        dist.broadcast_object_list(status, src=_global(comm, 0), group=comm.group)
+        dist.broadcast_object_list(status, src=comm.global_rank(0), group=comm.group)
     if status[0] is not None:
         raise CheckpointError(f"exporting to {out_dir} failed on rank 0 ({status[0]}); {out_dir} is unchanged")
     return out_dir

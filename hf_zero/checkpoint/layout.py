@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("hf_zero")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
@@ -32,7 +32,7 @@ def _tied_weight_patterns(model: nn.Module) -> List[str]:
     return out
 
 
-def _persistent_buffers(model: nn.Module) -> Tuple[List[str], Dict[int, Tuple[torch.Tensor, List[str]]]]:
+def persistent_buffers(model: nn.Module) -> Tuple[List[str], Dict[int, Tuple[torch.Tensor, List[str]]]]:
     """model.state_dict()'s keys in order (walking modules as state_dict does, without calling it: the stage-3
     guard refuses it) and the persistent buffers, each once with all its names."""
     keys: List[str] = []
@@ -58,12 +58,12 @@ def _persistent_buffers(model: nn.Module) -> Tuple[List[str], Dict[int, Tuple[to
 def model_layout(engine: "ZeroEngine") -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
     """The model's state-dict layout (for the manifest and the export) and its persistent buffers by name."""
     model = engine.model
-    keys, buffers = _persistent_buffers(model)
+    keys, buffers = persistent_buffers(model)
     slots = {s.name: s for g in engine.plan.groups for s in g.slots}
     dtype = None
     for name, p in model.named_parameters():  # PreTrainedModel.dtype: the first floating parameter's dtype
         if name in slots and slots[name].orig_dtype.is_floating_point:
-            dtype = _dtype_name(slots[name].orig_dtype)
+            dtype = dtype_name(slots[name].orig_dtype)
             break
     can_generate = getattr(model, "can_generate", None)
     layout = {
@@ -75,7 +75,7 @@ def model_layout(engine: "ZeroEngine") -> Tuple[Dict[str, Any], Dict[str, torch.
         "state_dict_keys": keys,
         "tied_weight_patterns": _tied_weight_patterns(model),
         "keys_to_ignore_on_save": sorted(getattr(model, "_keys_to_ignore_on_save", None) or []),
-        "buffers": [{"name": names[0], "aliases": names, "shape": list(b.shape), "dtype": _dtype_name(b.dtype)}
+        "buffers": [{"name": names[0], "aliases": names, "shape": list(b.shape), "dtype": dtype_name(b.dtype)}
                     for b, names in buffers.values()],
     }
     values = {names[0]: b for b, names in buffers.values()}

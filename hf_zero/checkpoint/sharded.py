@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from .layout import _dtype_name, _persistent_buffers, model_config_texts, model_layout
+from .layout import dtype_name, persistent_buffers, model_config_texts, model_layout
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
@@ -103,12 +103,12 @@ def plan_manifest(engine: "ZeroEngine") -> List[Dict[str, Any]]:
     """The flat groups as the manifest records them (also the layout the online export reads)."""
     return [
         {
-            "index": g.index, "unit": g.unit, "dtype": _dtype_name(g.dtype), "trainable": g.trainable,
+            "index": g.index, "unit": g.unit, "dtype": dtype_name(g.dtype), "trainable": g.trainable,
             "numel": g.numel, "padded_numel": g.padded_numel, "shard_numel": g.shard_numel,
-            "master_dtype": _dtype_name(engine.groups[g.index].master.dtype) if g.trainable else None,
+            "master_dtype": dtype_name(engine.groups[g.index].master.dtype) if g.trainable else None,
             "slots": [
                 {"name": s.name, "aliases": list(s.aliases), "shape": list(s.shape),
-                 "dtype": _dtype_name(s.orig_dtype), "offset": s.offset, "numel": s.numel}
+                 "dtype": dtype_name(s.orig_dtype), "offset": s.offset, "numel": s.numel}
                 for s in g.slots
             ],
         }
@@ -157,11 +157,10 @@ def save_checkpoint(engine: "ZeroEngine", directory: os.PathLike, step: Optional
     directory = Path(directory)
     comm = engine.comm
     multi = comm.distributed and comm.world_size > 1
-    if engine.reducer.inflight:
-        engine.reducer.finalize()
+    engine.wait()  # no reduction of the engine's may still be in flight beside the checkpoint's own collectives
     tmp_name = [f"{directory.name}.tmp-{uuid.uuid4().hex[:8]}"]
     if multi:
-        dist.broadcast_object_list(tmp_name, src=_global(comm, 0), group=comm.group)
+        dist.broadcast_object_list(tmp_name, src=comm.global_rank(0), group=comm.group)
     tmp = directory.parent / tmp_name[0]
     layout, buffers = model_layout(engine)
     fname = _rank_file(comm.rank, comm.world_size)
@@ -189,14 +188,14 @@ def save_checkpoint(engine: "ZeroEngine", directory: os.PathLike, step: Optional
                 for name, text in model_config_texts(engine.model, layout["dtype"]).items():
                     (tmp / name).write_bytes(text)
                 (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-                _swap_into_place(tmp, directory)
+                swap_into_place(tmp, directory)
             except Exception as exc:
                 failures.append(f"rank 0: {_describe(exc)}")
         if failures:
             shutil.rmtree(tmp, ignore_errors=True)
     status = [failures]
     if multi:
-        dist.broadcast_object_list(status, src=_global(comm, 0), group=comm.group)
+        dist.broadcast_object_list(status, src=comm.global_rank(0), group=comm.group)
     if status[0]:
         raise CheckpointError(f"saving the checkpoint to {directory} failed ({'; '.join(status[0])}); nothing was "
                               f"renamed into place, so {directory} holds the previous checkpoint (if any) unchanged")
@@ -218,7 +217,7 @@ def _record_state_keys(manifest: Dict[str, Any], names: List[str]) -> None:
         g["scalar_keys"].sort()
 
 
-def _swap_into_place(tmp: Path, directory: Path) -> None:
+def swap_into_place(tmp: Path, directory: Path) -> None:
     """Rename `tmp` to `directory`, replacing an existing `directory` (restored if the second rename fails)."""
     old = None
     if directory.exists():
@@ -232,10 +231,6 @@ def _swap_into_place(tmp: Path, directory: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _global(comm, rank: int) -> int:
-    return dist.get_global_rank(comm.group, rank) if comm.group is not None else rank
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -297,7 +292,7 @@ class _RankFile:
         return self.read(key, 0, numel).view(e["shape"])
 
 
-class _Source:
+class CheckpointSource:
     """The saved layout: where each parameter's elements live, and reading flat ranges from rank files (each
     rank file is checked once: present, the size and SHA-256 the manifest records, safetensors, not a pickle)."""
 
@@ -315,6 +310,10 @@ class _Source:
         if fname not in self._handles:
             self._handles[fname] = _RankFile(self.check_file(fname))
         return self._handles[fname]
+
+    def close(self) -> None:
+        """Drop the open rank files (their memory maps)."""
+        self._handles.clear()
 
     def check_file(self, fname: str) -> Path:
         """The rank file's path once it exists, is the file the manifest describes, and is safetensors."""
@@ -391,7 +390,7 @@ class _Source:
         return None
 
 
-def _check_model(engine: "ZeroEngine", src: _Source, directory: Path) -> None:
+def _check_model(engine: "ZeroEngine", src: CheckpointSource, directory: Path) -> None:
     mine = {s.name: s for g in engine.plan.groups for s in g.slots}
     saved = {s["name"]: s for g in src.groups for s in g["slots"]}
     missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
@@ -399,7 +398,7 @@ def _check_model(engine: "ZeroEngine", src: _Source, directory: Path) -> None:
               for n in sorted(set(mine) & set(saved)) if list(mine[n].shape) != saved[n]["shape"]]
     saved_model = src.m.get("model")
     if saved_model is not None:  # format 2: persistent buffers too
-        _, buffers = _persistent_buffers(engine.model)
+        _, buffers = persistent_buffers(engine.model)
         mine_b = {names[0]: b for b, names in buffers.values()}
         saved_b = {b["name"]: b for b in saved_model["buffers"]}
         missing += [f"buffer {n}" for n in sorted(set(mine_b) - set(saved_b))]
@@ -448,7 +447,7 @@ def load_checkpoint(engine: "ZeroEngine", directory: os.PathLike, verify: bool =
     world size or stage the checkpoint was saved at. Returns the manifest. `verify` checks each rank file read
     against the manifest's SHA-256 (sizes are always checked)."""
     directory = Path(directory)
-    src = _Source(directory, read_manifest(directory), verify=verify)
+    src = CheckpointSource(directory, read_manifest(directory), verify=verify)
     _check_model(engine, src, directory)
     rank = engine.comm.rank
     engine.zero_grad()
@@ -502,7 +501,7 @@ def load_checkpoint(engine: "ZeroEngine", directory: os.PathLike, verify: bool =
     return src.m
 
 
-def _keys(src: _Source, g: Dict[str, Any], kind: str) -> List[str]:
+def _keys(src: CheckpointSource, g: Dict[str, Any], kind: str) -> List[str]:
     """The optimizer-state keys saved for group `g`, from every rank file that holds a part of it (a rank whose
     range holds no optimised parameter wrote none)."""
     if f"{kind}_keys" in g:  # format 2 records them

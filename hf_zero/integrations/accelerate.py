@@ -20,7 +20,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import nn
 
-from ..engine import ZeroEngine, shard_model
+from ..checkpoint import export_pretrained, load_checkpoint, push_to_hub, save_checkpoint
+from ..engine import ZeroEngine, ZeroOptimizer, enable_activation_checkpointing, shard_model
 from .plugin import ZeroPlugin
 
 logger = logging.getLogger("hf_zero")
@@ -92,8 +93,6 @@ class HfZeroAccelerator(Accelerator):
             raise RuntimeError("HfZeroAccelerator shards one model per Accelerator (as DeepSpeed does)")
         model_parallel, data_parallel = self._parallel_groups(model)
         if self.zero_plugin.activation_checkpointing != "off" or self.zero_plugin.cpu_checkpointing:
-            from ..activations import enable_activation_checkpointing
-
             enable_activation_checkpointing(model, self.zero_plugin.activation_checkpointing,
                                             self.zero_plugin.cpu_checkpointing, model_parallel)
         engine = shard_model(model, optimizer, self.zero_config, process_group=data_parallel, device=self.device)
@@ -159,7 +158,7 @@ class HfZeroAccelerator(Accelerator):
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None):
-        if not getattr(optimizer, "_is_accelerate_prepared", False) and not isinstance(optimizer, _zero_opt_type()):
+        if not getattr(optimizer, "_is_accelerate_prepared", False) and not isinstance(optimizer, ZeroOptimizer):
             if self._pending_model is None:
                 raise ValueError("prepare the model before (or together with) its optimizer")
             engine = self._shard(self._pending_model, optimizer)
@@ -212,8 +211,6 @@ class HfZeroAccelerator(Accelerator):
         huggingface_hub client from the main process. Returns the repo URL on the main process."""
         import tempfile
 
-        from ..checkpoint import export_pretrained, push_to_hub
-
         engine = self._engine_of(model)
         if engine is None:
             raise ValueError("push_to_hub needs a model prepared by this HfZeroAccelerator")
@@ -245,7 +242,7 @@ class HfZeroAccelerator(Accelerator):
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
         with self._without(models=False, optimizers=True):
             output_dir = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
-        self.zero_engine.save_checkpoint(os.path.join(output_dir, "zero_shards"), step=self.step)
+        save_checkpoint(self.zero_engine, os.path.join(output_dir, "zero_shards"), step=self.step)
         return output_dir
 
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
@@ -262,7 +259,7 @@ class HfZeroAccelerator(Accelerator):
                                     f"HfZeroAccelerator.save_state, so it holds no optimizer shards")
         with self._without(models=True, optimizers=True):
             super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
-        self.zero_engine.load_checkpoint(shards)
+        load_checkpoint(self.zero_engine, shards)
 
     def free_memory(self, *objects: Any) -> Any:
         for engine in self.zero_engines:
@@ -276,12 +273,7 @@ def _close_process_group(ref: "weakref.ref[HfZeroAccelerator]") -> None:
     accelerator = ref()
     if accelerator is not None:
         for engine in accelerator.zero_engines:
-            engine._drain()
+            engine.wait()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
-
-def _zero_opt_type():
-    from ..optimizer import ZeroOptimizer
-
-    return ZeroOptimizer

@@ -29,12 +29,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .launch_plan import distributed_type_name as _dt, launch_plan
+from .launch_plan import MIXED_PRECISION, distributed_type_name as _dt, launch_plan
 
 STAGES = (0, 1, 2, 3)
 OFFLOAD = ("none", "cpu")
 CHECKPOINTING = ("off", "on", "partitioned")
-MIXED_PRECISION = ("no", "bf16", "fp16")
 
 # flags that describe the Accelerate side: given any of them (or --yes), Accelerate's questionnaire is skipped
 _ACCELERATE_FLAGS = ("num_processes", "mixed_precision", "cpu")

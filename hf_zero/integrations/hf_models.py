@@ -1,4 +1,4 @@
-"""The Transformers calls the tools on top (estimate, activation_estimate, bench) make: configs from dicts or
+"""The Transformers calls the tools on top (tools/estimate, tools/bench) make: configs from dicts or
 files, causal LMs from configs, activation functions by name. They live here so that Transformers is imported in
 `integrations/` only; callers import this module inside their functions, so `hf-zero --help` stays light.
 """
@@ -8,6 +8,7 @@ import json
 import os
 from typing import Any, Callable, Dict, Optional
 
+import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers import logging as hf_logging
@@ -48,6 +49,12 @@ def config_from_path(path_or_config: Any) -> PretrainedConfig:
 def causal_lm_from_config(config: PretrainedConfig) -> nn.Module:
     """`AutoModelForCausalLM.from_config` on the current default device (meta inside `torch.device("meta")`)."""
     return AutoModelForCausalLM.from_config(config)
+
+
+def meta_model(path_or_config: Any) -> nn.Module:
+    """A causal LM on the meta device from a local config.json (or its folder), or a PretrainedConfig."""
+    with torch.device("meta"):
+        return causal_lm_from_config(config_from_path(path_or_config))
 
 
 def activation_function(name: Any) -> Optional[Callable]:

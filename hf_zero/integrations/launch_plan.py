@@ -17,6 +17,9 @@ def distributed_type_name(config: Any) -> str:
     return getattr(value, "value", str(value))
 
 
+MIXED_PRECISION = ("no", "bf16", "fp16")  # the precisions hf_zero runs (Accelerate's fp8 is not one)
+
+
 def launch_plan(config_file: os.PathLike) -> Tuple[List[str], List[str]]:
     """What `accelerate launch --config_file config_file script.py` starts on this machine: (facts, problems).
 
@@ -26,7 +29,6 @@ def launch_plan(config_file: os.PathLike) -> Tuple[List[str], List[str]]:
     import torch
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
-    from .config_cli import MIXED_PRECISION
 
     facts: List[str] = []
     problems: List[str] = []

@@ -17,6 +17,7 @@ import torch
 import transformers.trainer as hf_trainer
 from transformers import Trainer, TrainingArguments
 
+from ..checkpoint import load_checkpoint, save_checkpoint
 from .accelerate import HfZeroAccelerator
 from .plugin import ZeroPlugin
 
@@ -67,7 +68,7 @@ class ZeroTrainer(Trainer):
     # ------------------------------------------------------------------ optimizer shards
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         step = self.state.global_step if self.state is not None else None
-        self.zero_engine.save_checkpoint(os.path.join(output_dir, SHARDS_DIR), step=step)
+        save_checkpoint(self.zero_engine, os.path.join(output_dir, SHARDS_DIR), step=step)
         if self.args.should_save and self.lr_scheduler is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -80,7 +81,7 @@ class ZeroTrainer(Trainer):
         if not os.path.isdir(shards):
             raise FileNotFoundError(f"{checkpoint} has no {SHARDS_DIR}/ folder: it was not written by ZeroTrainer, "
                                     f"so there is no optimizer state to resume from")
-        self.zero_engine.load_checkpoint(shards)
+        load_checkpoint(self.zero_engine, shards)
         path = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(path):
             self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
@@ -88,4 +89,4 @@ class ZeroTrainer(Trainer):
     def _load_best_model(self) -> None:
         """The best checkpoint's master weights come back from its shards (the model is sharded by now)."""
         best = self.state.best_model_checkpoint
-        self.zero_engine.load_checkpoint(os.path.join(best, SHARDS_DIR))
+        load_checkpoint(self.zero_engine, os.path.join(best, SHARDS_DIR))

@@ -24,10 +24,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from .comm import Comm
+
 logger = logging.getLogger("hf_zero")
 
 MODES = ("off", "on", "partitioned")
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _outer_hooks() -> Optional[Tuple[Callable, Callable]]:
@@ -51,8 +52,10 @@ class CheckpointStore:
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, cpu: bool = False) -> None:
         self.group = group
-        self.parts = dist.get_world_size(group) if group is not None else 1
-        self.rank = dist.get_rank(group) if group is not None else 0
+        # the recomputation's all-gathers go through the engine's collectives (ledger, debug check)
+        self.comm: Optional[Comm] = Comm(group) if group is not None else None
+        self.parts = self.comm.world_size if self.comm is not None else 1
+        self.rank = self.comm.rank if self.comm is not None else 0
         self.cpu = cpu
 
     def _partitions(self, x: torch.Tensor) -> bool:
@@ -81,7 +84,7 @@ class CheckpointStore:
         if piece.numel() == stored.numel and piece.shape == stored.shape:
             return piece  # neither partitioned nor padded
         full = torch.empty(piece.numel() * self.parts, dtype=stored.dtype, device=stored.device)
-        _ALL_GATHER(full, piece.contiguous(), group=self.group)
+        self.comm.all_gather(full, piece.contiguous(), "activation checkpoint (P_a)", async_op=False)
         return full[:stored.numel].view(stored.shape)
 
 
@@ -143,5 +146,5 @@ def enable_activation_checkpointing(model: nn.Module, mode: str = "on", cpu: boo
                  and not any(c is not m and hasattr(c, "gradient_checkpointing") for c in m.modules()))
     if layers == 0:
         raise ValueError(f"{type(model).__name__} has no layers with a `gradient_checkpointing` flag: use a "
-                         f"Transformers model, or give the layers to checkpoint that flag (see hf_zero.activations)")
+                         f"Transformers model, or give the layers to checkpoint that flag (see hf_zero.engine.activations)")
     return layers

@@ -1,37 +1,11 @@
 """The systems `hf-zero bench` trains: one Trainer per system (DDP, torch's ZeroRedundancyOptimizer, FSDP2, hf_zero;
-DeepSpeed lives in bench_deepspeed.py). Each runs one rank's micro-steps and reports its model-state bytes and,
+DeepSpeed lives in deepspeed.py). Each runs one rank's micro-steps and reports its model-state bytes and,
 where it can be measured, its communication."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import Dict, Optional
 
-if TYPE_CHECKING:
-    from .bench import WorkerContext
-
-
-class Trainer:
-    """One system's training loop pieces on one rank."""
-
-    def micro_step(self, input_ids, final: bool):
-        """Forward and backward of one micro-batch (gradient sync only when `final`); returns the detached loss."""
-        raise NotImplementedError
-
-    def optimizer_step(self) -> None:
-        raise NotImplementedError
-
-    def zero_grad(self) -> None:
-        """Before each step's first micro-batch (set to None), so the gradients exist when measured after the loop."""
-
-    def state_bytes(self) -> int:
-        raise NotImplementedError
-
-    def comm_elements(self) -> Optional[Dict[str, float]]:
-        """Cumulative elements sent per collective kind (paper counting), or None when not measured."""
-        return None
-
-    def row_extras(self) -> Dict[str, Any]:
-        """Extra fields for the system's row (rank 0's), e.g. a peer's version."""
-        return {}
+from .base import Trainer, WorkerContext
 
 
 def _nbytes(t) -> int:
@@ -147,7 +121,7 @@ class FSDP2Trainer(_TorchTrainer):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from .planning import find_unit_modules
+        from ...engine.planning import find_unit_modules
 
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -173,7 +147,7 @@ class HfZeroTrainer(Trainer):
     def __init__(self, model, ctx: "WorkerContext", stage: int) -> None:
         import torch
 
-        from . import ZeroConfig, shard_model
+        from ... import ZeroConfig, shard_model
 
         self.ctx = ctx
         self.config = ZeroConfig(stage=stage, mixed_precision=ctx.settings.mixed_precision)
@@ -197,7 +171,7 @@ class HfZeroTrainer(Trainer):
         return int(self.engine.memory_stats()["model_states"])
 
     def comm_elements(self) -> Optional[Dict[str, float]]:
-        from .comm import DATA_KINDS
+        from ...engine.comm import DATA_KINDS
 
         stats = self.engine.comm_stats()
         return {k: v["elements"] for k, v in stats.items() if k in DATA_KINDS}  # not "control", not "total"

@@ -23,8 +23,19 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .buffers import BufferPool, FlatGroup
-from .comm import Comm, Handle
+from .buffers import FlatGroup
+from .comm import Comm, Handle, wait_all
+
+
+class GatheredBytes:
+    """Bytes of full (gathered) parameters materialised now and at most (memory_stats' gathered_params_peak)."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -47,35 +58,34 @@ class Unit:
 
     SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
 
-    def __init__(self, index: int, name: str, module: nn.Module, groups: List[FlatGroup], gatherer: "Gatherer"):
-        self.index, self.name, self.module, self.groups, self.gatherer = index, name or "<root>", module, groups, gatherer
+    def __init__(self, index: int, name: str, module: nn.Module, groups: List[FlatGroup], comm: Comm,
+                 meter: GatheredBytes, is_root: bool = False) -> None:
+        self.index, self.name, self.module, self.groups = index, name or "<root>", module, groups
+        self.comm, self.meter = comm, meter
         self.state = Unit.SHARDED
         self.handles: List[Handle] = []
         self.in_backward = False
         self.pending_groups = 0  # trainable groups not yet handed to the reducer in this backward
         self.inputs_pending = False
         self.pinned = False  # inside gathered_parameters(): hooks never release
-        self.is_root = False  # the root stays gathered from its forward to the end of the backward
+        self.is_root = is_root  # the root stays gathered from its forward to the end of the backward
 
     # ------------------------------------------------------------ gather / release
     def issue_gather(self) -> None:
         if self.state != Unit.SHARDED:
             return
-        g = self.gatherer
         for group in self.groups:
             full = group.alloc_full()
-            g.count_gathered(group.gathered_bytes)
+            self.meter.add(group.gathered_bytes)
             local = full[group.lo:group.hi]
             local.copy_(group.shard, non_blocking=True)  # from CPU when parameters are offloaded
-            self.handles.append(g.comm.all_gather(full, local, f"params of unit {self.name}"))
+            self.handles.append(self.comm.all_gather(full, local, f"params of unit {self.name}"))
         self.state = Unit.GATHERING
 
     def wait_gather(self) -> None:
         self.issue_gather()
         if self.state == Unit.GATHERING:
-            for h in self.handles:
-                h.wait()
-            self.handles.clear()
+            wait_all(self.handles)
             for group in self.groups:
                 group.gathered = True
             self.state = Unit.GATHERED
@@ -85,7 +95,7 @@ class Unit:
             return
         self.wait_gather()  # a prefetch that was never used still has to complete
         for group in self.groups:
-            self.gatherer.count_gathered(-group.gathered_bytes)
+            self.meter.add(-group.gathered_bytes)
             group.free_full()
         self.state = Unit.SHARDED
 
@@ -117,16 +127,14 @@ class Unit:
 class Gatherer:
     """Installs the stage-3 hooks and keeps the execution order used for prefetching."""
 
-    def __init__(self, units: List[Unit], root: Unit, comm: Comm, pool: BufferPool, device: torch.device,
-                 prefetch: int, on_backward_start: Callable[[], None]) -> None:
-        self.units, self.root, self.comm, self.pool, self.device = units, root, comm, pool, device
+    def __init__(self, units: List[Unit], prefetch: int, meter: GatheredBytes,
+                 on_backward_start: Callable[[], None]) -> None:
+        self.units, self.prefetch, self.meter = units, prefetch, meter
+        self.root = next(u for u in units if u.is_root)
         self.on_backward_start = on_backward_start
-        root.is_root = True
-        self.prefetch = prefetch
         self.order: List[Unit] = []  # forward execution order, recorded on the first forward
         self._recording = True
         self.by_group: Dict[int, Unit] = {id(g): u for u in units for g in u.groups}
-        self.gathered_bytes = self.peak_gathered_bytes = 0  # full parameters materialised now / at most
         self._hooks = []
         for unit in units:
             self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit), with_kwargs=True))
@@ -191,9 +199,11 @@ class Gatherer:
 
         return post_forward
 
-    def count_gathered(self, nbytes: int) -> None:
-        self.gathered_bytes += nbytes
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+    def wait(self) -> None:
+        """Wait for every all-gather in flight (prefetches included); the units stay as they are."""
+        for unit in self.units:
+            if unit.state == Unit.GATHERING:
+                unit.wait_gather()
 
     def on_group_launched(self, group: FlatGroup) -> None:
         unit = self.by_group.get(id(group))

@@ -39,17 +39,12 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 from torch import nn
 
-from .config import ZeroConfig
+from ...config import ZeroConfig
+from .plan import as_model as _as_model
 
 
 def _elem(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _as_model(model_or_config: Any) -> nn.Module:
-    from .estimate import meta_model  # the estimator builds models on the meta device
-
-    return model_or_config if isinstance(model_or_config, nn.Module) else meta_model(model_or_config)
 
 ATTENTION_KINDS = ("eager", "sdpa")  # sdpa: a fused (flash / memory-efficient) kernel that never stores a·s²·b
 # Eager attention in HF models computes the softmax in fp32 and casts it back (two copies of a·s²·b in 16-bit);
@@ -94,7 +89,7 @@ def activation_saved_tensors(act_name: str) -> int:
     """How many input-sized tensors an HF activation function keeps for its backward (its output excluded: that one
     is the next projection's input and is counted there). Found by running it once on a tiny tensor, so unfused
     Python activations (GPT-2's gelu_new keeps 4) are counted as they really are."""
-    from .integrations.hf_models import activation_function
+    from ...integrations.hf_models import activation_function
 
     act = activation_function(act_name)
     if act is None:
@@ -226,5 +221,5 @@ def activation_report(model_or_config: Any, batch_size: int, seq_len: int, confi
             "mask_bytes": mask_bytes, "shape": dataclasses.asdict(shape), **modes,
             "paper_layers_16bit": paper,
             "formula": "Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per layer (16-bit) + 4*s*b*V for the "
-                       "loss; re-derived per term for this config (see hf_zero.estimate); checkpointing keeps "
+                       "loss; re-derived per term for this config (see hf_zero.tools.estimate.activations); checkpointing keeps "
                        "e*s*b*h per layer and recomputes one layer at a time"}

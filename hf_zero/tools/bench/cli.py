@@ -13,7 +13,8 @@ import time
 from dataclasses import asdict
 from typing import Any, Dict, Iterator, List, Optional
 
-from .bench import (DEFAULT_TIMEOUT_S, PRESETS, SYSTEMS, Settings, _load_model_config, _log, _max_positions,
+from .base import Settings
+from .runner import (DEFAULT_TIMEOUT_S, PRESETS, SYSTEMS, load_model_config, log, max_positions,
                     build_config, run_system, skipped_row)
 
 
@@ -136,16 +137,16 @@ def _run_one(i: int, system: str, systems: List[str], settings: Settings) -> Dic
     spec = SYSTEMS[system]
     reason = spec.unavailable() if spec.unavailable is not None else None
     if reason is not None:
-        _log(f"{tag} skipped: {reason}")
+        log(f"{tag} skipped: {reason}")
         return skipped_row(system, reason)
-    _log(f"{tag} ...")
+    log(f"{tag} ...")
     t0 = time.monotonic()
     row = run_system(system, settings)
     row["wall_s"] = time.monotonic() - t0
     if row["status"] == "ok":
-        _log(f"{tag}: {row['tokens_per_s']:,.1f} tokens/s ({row['wall_s']:.0f}s including start-up)")
+        log(f"{tag}: {row['tokens_per_s']:,.1f} tokens/s ({row['wall_s']:.0f}s including start-up)")
     else:
-        _log(f"{tag} FAILED:\n{row.get('error', row['status'])}")
+        log(f"{tag} FAILED:\n{row.get('error', row['status'])}")
     return row
 
 
@@ -161,12 +162,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
         if args.preset is None and args.config is None:
             args.preset = "gpt2"
-        model_config, model_name = _load_model_config(args)
-        max_pos = _max_positions(build_config(model_config))
+        model_config, model_name = load_model_config(args)
+        max_pos = max_positions(build_config(model_config))
         if max_pos is not None and args.seq_len > max_pos:
             raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {max_pos} positions")
         if getattr(args, "plot", None):
-            from .bench_plot import check_matplotlib
+            from .plot import check_matplotlib
 
             check_matplotlib()  # before minutes of training, not after
     except (ValueError, OSError, ImportError) as exc:
@@ -185,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         mixed_precision=args.mixed_precision, num_processes=world, lr=args.lr, seed=args.seed,
         timeout_s=args.timeout, threads_per_rank=max(1, _cpu_count() // world),
     )
-    _log(f"model {model_name}, world {world} ({'nccl' if torch.cuda.is_available() else 'gloo'}), "
+    log(f"model {model_name}, world {world} ({'nccl' if torch.cuda.is_available() else 'gloo'}), "
          f"batch {settings.batch_size} x seq {settings.seq_len} x accum {settings.grad_accum} per rank, "
          f"{settings.warmup} warmup + {settings.steps} timed steps, mixed precision {settings.mixed_precision}, "
          f"{settings.threads_per_rank} threads per rank")
@@ -216,14 +217,14 @@ def run(args: argparse.Namespace) -> int:
                 f.write(text + "\n")
 
     if getattr(args, "plot", None):
-        from .bench_plot import plot_rows
+        from .plot import plot_rows
 
         plot_rows(rows, args.plot, title=f"{model_name}, {world} ranks, {settings.tokens_per_step:,} tokens/step, "
                                          f"mixed precision {settings.mixed_precision}")
-        _log(f"plot written to {args.plot}")
+        log(f"plot written to {args.plot}")
 
     failed_hf_zero = [r["system"] for r in rows if r["status"] != "ok" and r.get("hf_zero")]
     if failed_hf_zero:
-        _log(f"hf_zero system(s) failed: {', '.join(failed_hf_zero)}")
+        log(f"hf_zero system(s) failed: {', '.join(failed_hf_zero)}")
         return 1
     return 0

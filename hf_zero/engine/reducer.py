@@ -63,14 +63,15 @@ class Reducer:
             h.remove()
 
     # ---------------------------------------------------------------- backward
-    def _queue_end_of_backward(self) -> None:
+    def queue_end_of_backward(self) -> None:
+        """Have `_end_of_backward` run once when the current backward finishes (idempotent within it)."""
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _on_grad(self, p: nn.Parameter) -> None:
         st, slot = self.by_param[id(p)]
-        self._queue_end_of_backward()
+        self.queue_end_of_backward()
         self.finalized = False
         grad = p.grad.reshape(-1)
         g = st.group
@@ -136,6 +137,15 @@ class Reducer:
             self.on_backward_end()
 
     # ---------------------------------------------------------------- step side
+    def wait(self) -> None:
+        """Wait for every reduction in flight (their completions add into the shards); averages nothing."""
+        for h in self.inflight:
+            h.wait()
+        self.inflight.clear()
+        for st in self.states:
+            if st.handle is not None:
+                st.handle.wait()
+
     def finalize(self) -> None:
         """Make every owned gradient range final and averaged (idempotent until the next backward)."""
         if self.finalized:
@@ -144,9 +154,7 @@ class Reducer:
             for st in self.states:
                 if st.dirty:  # a step without a synchronising backward: reduce now
                     self._launch(st)
-        for h in self.inflight:
-            h.wait()
-        self.inflight.clear()
+        self.wait()
         if self.stage >= 1 and self.comm.world_size > 1:
             for st in self.states:
                 st.group.grad_shard.div_(self.comm.world_size)
@@ -154,9 +162,7 @@ class Reducer:
 
     def zero_grad(self) -> None:
         """Reset the accumulators for the next step (the step calls it; so does optimizer.zero_grad())."""
-        for h in self.inflight:
-            h.wait()
-        self.inflight.clear()
+        self.wait()
         for st in self.states:
             g = st.group
             (g.grad_full if g.grad_full is not None else g.grad_shard).zero_()

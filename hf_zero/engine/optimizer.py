@@ -1,4 +1,11 @@
-"""ZeroOptimizer: the user's element-wise optimizer, run over this rank's master shard.
+"""ZeroOptimizer: the step. It owns everything between the last backward and the next forward:
+
+1. `prepare_grads`: the reducer finalises the gradient shards (waits, averages); fp16 gradients are unscaled and
+   checked for overflow on every rank;
+2. `clip_grad_norm_`: the global norm over every rank's shard, and the clipping;
+3. `step`: the user's element-wise optimizer over this rank's master shard;
+4. after the step: the master is cast into the compute shard and, at stages 1/2, one all-gather per group
+   restores the full parameters; the gradient accumulators are reset.
 
 The shard is exposed to the inner optimizer as one 1-D view per (parameter ∩ owned range) segment, so the
 user's parameter groups (weight decay / no decay, per-group learning rates) and LR schedulers keep working.
@@ -7,15 +14,20 @@ Only element-wise optimizers give the same update on a segment as on the whole t
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, TYPE_CHECKING
+import logging
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 
+from ..config import ZeroConfig
 from .buffers import FlatGroup
+from .comm import Comm
 from .planning import Slot, iter_owned_segments
+from .reducer import Reducer
+from .scaler import LossScaler
 
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
+logger = logging.getLogger("hf_zero")
 
 ELEMENTWISE = {
     "SGD", "Adam", "AdamW", "Adagrad", "Adamax", "Adadelta", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop", "Lion",
@@ -33,29 +45,6 @@ def check_elementwise(optimizer: torch.optim.Optimizer, declared: Optional[bool]
             f"same result only for element-wise optimizers ({', '.join(sorted(ELEMENTWISE))}). If {name} is "
             f"element-wise, pass ZeroConfig(optimizer_is_elementwise=True)."
         )
-
-
-class LossScaler:
-    """Dynamic loss scaling for fp16: halve and skip on overflow, double after `growth_interval` clean steps."""
-
-    def __init__(self, init_scale: float, factor: float, growth_interval: int, min_scale: float) -> None:
-        self.scale, self.factor, self.growth_interval, self.min_scale = float(init_scale), factor, growth_interval, min_scale
-        self.good_steps = 0
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.scale = max(self.min_scale, self.scale / self.factor)
-            self.good_steps = 0
-        else:
-            self.good_steps += 1
-            if self.good_steps % self.growth_interval == 0:
-                self.scale *= self.factor
-
-    def state_dict(self) -> Dict[str, float]:
-        return {"scale": self.scale, "good_steps": self.good_steps}
-
-    def load_state_dict(self, state: Dict[str, float]) -> None:
-        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
 
 def _constructor_kwargs(cls: type, defaults: Dict[str, Any]) -> Dict[str, Any]:
@@ -101,10 +90,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
     segments; LR schedulers that edit `param_groups` work unchanged. `state_dict()` is this rank's shard only.
     """
 
-    def __init__(self, engine: "ZeroEngine", user_optimizer: torch.optim.Optimizer) -> None:
-        self.engine = engine
+    def __init__(self, user_optimizer: torch.optim.Optimizer, groups: List[FlatGroup], reducer: Reducer, comm: Comm,
+                 config: ZeroConfig, device: torch.device) -> None:
+        self.groups, self.reducer, self.comm, self.config, self.device = groups, reducer, comm, config, device
+        self.scaler: Optional[LossScaler] = (
+            LossScaler(config.initial_loss_scale, config.loss_scale_factor, config.loss_scale_growth_interval,
+                       config.min_loss_scale)
+            if config.mixed_precision == "fp16" else None
+        )
+        self._prepared = False  # prepare_grads ran since the last backward
+        self._step_ok = True
         self.user_optimizer_class = type(user_optimizer)
-        rank = engine.comm.rank
+        rank = comm.rank
         # which user group each parameter belongs to
         group_of: Dict[int, int] = {}
         for gi, group in enumerate(user_optimizer.param_groups):
@@ -112,7 +109,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 group_of[id(p)] = gi
         segments: List[List[torch.Tensor]] = [[] for _ in user_optimizer.param_groups]
         self.segments: List[Segment] = []
-        for fg in engine.groups:
+        for fg in groups:
             if not fg.plan.trainable:
                 continue
             by_name = {s.name: p for s, p in zip(fg.plan.slots, fg.params)}
@@ -130,7 +127,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         cls = type(user_optimizer)
         kwargs = _constructor_kwargs(cls, user_optimizer.defaults)
         self.kernel = "as given"
-        if engine.config.offload_optimizer == "cpu":
+        if config.offload_optimizer == "cpu":
             kwargs, self.kernel = _host_kernel(cls, kwargs)
         choice = {k: kwargs[k] for k in ("fused", "foreach") if self.kernel != "as given" and k in kwargs}
         try:  # the groups carry their own fused/foreach keys (torch reads those at step time)
@@ -153,7 +150,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: Dict[int, Callable] = {}
 
     def __repr__(self) -> str:
-        return f"ZeroOptimizer(stage={self.engine.config.stage}, inner={self.inner!r})"
+        return f"ZeroOptimizer(stage={self.config.stage}, inner={self.inner!r})"
 
     def _attach_grads(self) -> None:
         """Point each segment's .grad at the owned gradient range (in the master dtype and device)."""
@@ -167,6 +164,50 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 cache[id(fg)] = grad
             seg.grad = grad[a:b]
 
+    # ------------------------------------------------------------------ the step, in order
+    def trainable_groups(self) -> List[FlatGroup]:
+        return [g for g in self.groups if g.plan.trainable]
+
+    def prepare_grads(self) -> bool:
+        """Finish reductions, average, unscale (fp16). Returns False when the fp16 step must be skipped."""
+        if self._prepared and self.reducer.finalized:
+            return self._step_ok
+        self.reducer.finalize()
+        self._step_ok = True
+        if self.scaler is not None:
+            found = torch.zeros(1, device=self.device)
+            for g in self.trainable_groups():
+                g.grad_shard.div_(self.scaler.scale)
+                found += (~torch.isfinite(g.grad_shard)).any().float()
+            self.comm.all_reduce(found, "fp16 overflow flag", async_op=False, control=True, op=dist.ReduceOp.MAX)
+            self._step_ok = bool(found.item() == 0)
+        self._prepared = True
+        return self._step_ok
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the (global) gradient to `max_norm` and return the global norm over all ranks' shards."""
+        if not self.prepare_grads():
+            return torch.tensor(float("inf"))
+        norm_type = float(norm_type)
+        shards = [g.grad_shard for g in self.trainable_groups()]
+        if norm_type == float("inf"):
+            local = torch.stack([s.abs().max().float() for s in shards]).max() if shards else torch.zeros(())
+            op = dist.ReduceOp.MAX
+        else:
+            acc = torch.promote_types(shards[0].dtype, torch.float32) if shards else torch.float32  # fp64 stays fp64
+            local = sum((s.to(acc).abs().pow(norm_type).sum() for s in shards),
+                        torch.zeros((), dtype=acc, device=self.device))
+            op = dist.ReduceOp.SUM
+        local = local.reshape(1).to(self.device)
+        if self.config.stage >= 1:  # stage 0 holds the full, already averaged gradient on every rank
+            self.comm.all_reduce(local, "grad norm", async_op=False, control=True, op=op)
+        total = local[0] if norm_type == float("inf") else local[0] ** (1.0 / norm_type)
+        if max_norm != float("inf"):
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for s in shards:
+                s.mul_(coef.to(s.dtype))
+        return total
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Reduce (if not yet), unscale, skip on fp16 overflow, update the shard, restore full parameters."""
@@ -174,17 +215,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._opt_called = True  # what torch's LR schedulers check (see _wrapped_by_lr_sched below)
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
-        if self.engine.prepare_grads():
+        if self.prepare_grads():
             self._attach_grads()
             self.inner.step()
             for seg in self.segments:
                 seg.tensor.grad = None
-            self.engine.after_step()
+            self._gather_updated_params()
+            if self.scaler is not None:
+                self.scaler.update(overflow=False)
         else:
-            self.engine.skip_step()
+            logger.warning("hf_zero: fp16 overflow, skipping the step; loss scale %.0f -> %.0f", self.scaler.scale,
+                           self.scaler.scale / self.scaler.factor)
+            self.scaler.update(overflow=True)
+        self.zero_grad()
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
+
+    def _gather_updated_params(self) -> None:
+        """The shard was updated: refresh the compute copy and (stages 1/2) all-gather the full parameters."""
+        handles, sizes = [], []
+        for g in self.groups:
+            g.write_master_to_shard()
+            if self.config.stage in (1, 2) and self.comm.world_size > 1:
+                handles.append(self.comm.all_gather(g.full, g.shard, f"params of group {g.plan.index}"))
+                sizes.append(g.plan.padded_numel * g.full.element_size())
+                while len(handles) > 1 and sum(sizes) > self.config.allgather_bucket_size:
+                    handles.pop(0).wait()  # C_B: bound the bytes in flight (the oldest gathers first)
+                    sizes.pop(0)
+        for h in handles:
+            h.wait()
 
     # LR schedulers wrap `optimizer.step` at construction to notice a step before theirs; the scheduler was built
     # on the user's optimizer, so this step records the call itself and says it needs no wrapping.
@@ -192,7 +252,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradient accumulators (also done by every step)."""
-        self.engine.zero_grad()
+        self.reducer.zero_grad()
+        self._prepared = False
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's optimizer shard (segments as parameters). For a world-size-independent checkpoint use

@@ -1,14 +1,15 @@
 """shard_model(): wires the plan, the flat buffers, the reducer, the gatherer and the optimizer together.
 
 This is the one entry point of the engine. It speaks torch.nn.Module, torch.optim.Optimizer and
-torch.distributed only; the Accelerate and Transformers integrations sit on top of it.
+torch.distributed only; the Accelerate and Transformers integrations sit on top of it. The step (prepare the
+gradients, clip, update, gather the updated parameters) is the optimizer's (optimizer.py); checkpoints are
+functions of `hf_zero.checkpoint` that take the engine.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import logging
-import os
 import weakref
 from typing import Dict, Iterator, List, Optional
 
@@ -16,12 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import ZeroConfig
 from .buffers import BufferPool, FlatGroup
 from .comm import Comm
-from .config import ZeroConfig
-from .gatherer import Gatherer, Unit
-from .optimizer import LossScaler, ZeroOptimizer, check_elementwise
+from .gatherer import GatheredBytes, Gatherer, Unit
+from .optimizer import ZeroOptimizer, check_elementwise
 from .planning import ShardPlan, find_unit_modules, plan_model
+from .reducer import Reducer
+from .scaler import LossScaler
 
 logger = logging.getLogger("hf_zero")
 
@@ -50,50 +53,41 @@ class ZeroEngine:
         self._check_optimizer(model, optimizer)
         self.plan: ShardPlan = plan_model(model, self.comm.world_size, config)
         self.pool = BufferPool()
-        self.scaler = (
-            LossScaler(config.initial_loss_scale, config.loss_scale_factor, config.loss_scale_growth_interval,
-                       config.min_loss_scale)
-            if config.mixed_precision == "fp16" else None
-        )
         self._move_buffers()
         self.groups = self._build_groups()
-        self._grads_prepared = False
-
-        from .reducer import Reducer  # noqa: local import keeps the layering visible: reducer sits on buffers/comm
-
-        self.gatherer: Optional[Gatherer] = None
         self.reducer = Reducer(
             self.groups, config.stage, self.comm, self.pool, max_inflight_bytes=4 * config.reduce_bucket_size,
             on_launch=self._on_group_launched, on_backward_end=self._on_backward_end,
         )
-        if config.stage == 3:
-            self._build_units()
+        self.gathered = GatheredBytes()
+        self.gatherer: Optional[Gatherer] = self._build_gatherer() if config.stage == 3 else None
+        if self.gatherer is not None:
             model.register_state_dict_pre_hook(self._guard_state_dict)
         self._allow_state_dict = False
-        self.optimizer = ZeroOptimizer(self, optimizer)
+        self.optimizer = ZeroOptimizer(optimizer, self.groups, self.reducer, self.comm, config, self.device)
         self.comm.reset_stats()  # the start-up broadcast is not training traffic
         # A collective still in flight when the interpreter exits aborts the process (gloo's worker thread):
         # wait for them at exit.
         ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref()._drain())
+        atexit.register(lambda: ref() is not None and ref().wait())
         if self.comm.rank == 0:
             self._log_plan()
 
-    def _drain(self) -> None:
-        for h in self.reducer.inflight:
-            h.wait()
-        self.reducer.inflight.clear()
-        for st in self.reducer.states:
-            if st.handle is not None:
-                st.handle.wait()
+    @property
+    def scaler(self) -> Optional[LossScaler]:
+        """The fp16 loss scaler (None unless mixed_precision="fp16"); the optimizer's step updates it."""
+        return self.optimizer.scaler
+
+    def wait(self) -> None:
+        """Wait for every collective this engine has in flight (reductions, prefetched all-gathers)."""
+        self.reducer.wait()
         if self.gatherer is not None:
-            for unit in self.gatherer.units:
-                for h in unit.handles:
-                    h.wait()
+            self.gatherer.wait()
 
     def close(self) -> None:
-        """Remove the engine's hooks (the model keeps its current, possibly sharded, storage)."""
-        self.reducer.finalize()
+        """Wait for the engine's collectives and remove its hooks (the model keeps its current, possibly sharded,
+        storage)."""
+        self.wait()
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()
@@ -145,14 +139,12 @@ class ZeroEngine:
             del full
         return groups
 
-    def _build_units(self) -> None:
+    def _build_gatherer(self) -> Gatherer:
         modules = dict([("", self.model)] + find_unit_modules(self.model, self.config.units))
-        units = [Unit(u.index, u.name, modules[u.name], [self.groups[i] for i in u.groups], None)
-                 for u in self.plan.units]
-        self.gatherer = Gatherer(units, units[0], self.comm, self.pool, self.device, self.config.prefetch,
-                                 on_backward_start=self.reducer._queue_end_of_backward)
-        for u in units:
-            u.gatherer = self.gatherer
+        units = [Unit(u.index, u.name, modules[u.name], [self.groups[i] for i in u.groups], self.comm, self.gathered,
+                      is_root=(u.name == "")) for u in self.plan.units]
+        return Gatherer(units, self.config.prefetch, self.gathered,
+                        on_backward_start=self.reducer.queue_end_of_backward)
 
     def _log_plan(self) -> None:
         mem = self.memory_stats()
@@ -174,7 +166,6 @@ class ZeroEngine:
             self.gatherer.on_group_launched(group)
 
     def _on_backward_end(self) -> None:
-        self._grads_prepared = False
         if self.gatherer is not None:
             self.gatherer.end_of_backward()
 
@@ -202,94 +193,13 @@ class ZeroEngine:
         finally:
             self.reducer.sync = previous
 
-    def prepare_grads(self) -> bool:
-        """Finish reductions, average, unscale (fp16). Returns False when the fp16 step must be skipped."""
-        if self._grads_prepared:
-            return self._step_ok
-        self.reducer.finalize()
-        self._step_ok = True
-        if self.scaler is not None:
-            found = torch.zeros(1, device=self.device)
-            for g in self._trainable():
-                g.grad_shard.div_(self.scaler.scale)
-                found += (~torch.isfinite(g.grad_shard)).any().float()
-            self.comm.all_reduce(found, "fp16 overflow flag", async_op=False, control=True, op=dist.ReduceOp.MAX)
-            self._step_ok = bool(found.item() == 0)
-        self._grads_prepared = True
-        return self._step_ok
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the (global) gradient to `max_norm` and return the global norm over all ranks' shards."""
-        if not self.prepare_grads():
-            return torch.tensor(float("inf"))
-        norm_type = float(norm_type)
-        shards = [g.grad_shard for g in self._trainable()]
-        if norm_type == float("inf"):
-            local = torch.stack([s.abs().max().float() for s in shards]).max() if shards else torch.zeros(())
-            op = dist.ReduceOp.MAX
-        else:
-            acc = torch.promote_types(shards[0].dtype, torch.float32) if shards else torch.float32  # fp64 stays fp64
-            local = sum((s.to(acc).abs().pow(norm_type).sum() for s in shards),
-                        torch.zeros((), dtype=acc, device=self.device))
-            op = dist.ReduceOp.SUM
-        local = local.reshape(1).to(self.device)
-        if self.config.stage >= 1:  # stage 0 holds the full, already averaged gradient on every rank
-            self.comm.all_reduce(local, "grad norm", async_op=False, control=True, op=op)
-        total = local[0] if norm_type == float("inf") else local[0] ** (1.0 / norm_type)
-        if max_norm != float("inf"):
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for s in shards:
-                s.mul_(coef.to(s.dtype))
-        return total
-
-    def after_step(self) -> None:
-        """The shard was updated: refresh the compute copy and (stages 1/2) all-gather the full parameters."""
-        handles, sizes = [], []
-        for g in self.groups:
-            g.write_master_to_shard()
-            if self.config.stage in (1, 2) and self.comm.world_size > 1:
-                handles.append(self.comm.all_gather(g.full, g.shard, f"params of group {g.plan.index}"))
-                sizes.append(g.plan.padded_numel * g.full.element_size())
-                while len(handles) > 1 and sum(sizes) > self.config.allgather_bucket_size:
-                    handles.pop(0).wait()  # C_B: bound the bytes in flight (the oldest gathers first)
-                    sizes.pop(0)
-        for h in handles:
-            h.wait()
-        if self.scaler is not None:
-            self.scaler.update(overflow=False)
-        self.zero_grad()
-
-    def skip_step(self) -> None:
-        logger.warning("hf_zero: fp16 overflow, skipping the step; loss scale %.0f -> %.0f", self.scaler.scale,
-                       self.scaler.scale / self.scaler.factor)
-        self.scaler.update(overflow=True)
-        self.zero_grad()
+        return self.optimizer.clip_grad_norm_(max_norm, norm_type)
 
     def zero_grad(self) -> None:
-        self.reducer.zero_grad()
-        self._grads_prepared = False
-
-    def _trainable(self) -> List[FlatGroup]:
-        return [g for g in self.groups if g.plan.trainable]
-
-    # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, directory: str, step: Optional[int] = None):
-        """Collective: this rank's shards + a manifest into `directory` (atomic; no pickle)."""
-        from .checkpoint import save_checkpoint
-
-        return save_checkpoint(self, directory, step)
-
-    def load_checkpoint(self, directory: str) -> Dict:
-        """Collective: restore a checkpoint saved at any world size or stage. Returns its manifest."""
-        from .checkpoint import load_checkpoint
-
-        return load_checkpoint(self, directory)
-
-    def export_pretrained(self, out_dir: str, **kwargs) -> "os.PathLike":
-        """Collective: the consolidated `save_pretrained` layout of the model in `out_dir` (rank 0 writes)."""
-        from .checkpoint import export_pretrained
-
-        return export_pretrained(self, out_dir, **kwargs)
+        """Reset the gradient accumulators (every optimizer step does it too)."""
+        self.optimizer.zero_grad()
 
     # ------------------------------------------------------------------ introspection
     def comm_stats(self) -> Dict[str, Dict[str, int]]:
@@ -324,7 +234,7 @@ class ZeroEngine:
         out["comm_buffers"] = self.pool.reserved_bytes  # C_B: gradient buckets and reduce-scatter outputs, reused
         out["comm_buffers_peak"] = self.pool.peak_bytes
         out["comm_buffer_allocations"] = self.pool.allocations  # M_D: stops growing after the first step
-        out["gathered_params_peak"] = self.gatherer.peak_gathered_bytes if self.gatherer is not None else 0
+        out["gathered_params_peak"] = self.gathered.peak
         out["gathered_params"] = sum(g.gathered_bytes for g in self.groups)
         out["buffers"] = out["module_buffers"] + out["comm_buffers"] + out["gathered_params"]
         out["total"] = out["model_states"] + out["buffers"]

@@ -9,17 +9,17 @@ ranks:
 - tokens/s: global tokens (world x batch x seq-len x grad-accum per step) per second over the timed steps;
 - model-state bytes per rank, measured (hf_zero: `engine.memory_stats()["model_states"]`; the torch systems: bytes of
   the parameter, .grad and optimizer-state tensors the rank holds, local shards for DTensors; DeepSpeed: the storages
-  of its parameter, gradient, master and optimizer-state partitions, see bench_deepspeed.py) beside the paper's
-  formula (`hf_zero.memory.model_state_bytes`);
+  of its parameter, gradient, master and optimizer-state partitions, see deepspeed.py) beside the paper's
+  formula (`hf_zero.tools.estimate.formulas.model_state_bytes`);
 - peak memory per rank (CPU: VmHWM, the peak RSS; CUDA: torch.cuda.max_memory_allocated);
 - elements communicated per step, measured (hf_zero: its collective ledger, data kinds only; DDP: a comm hook
   counting 2x each all-reduced bucket; DeepSpeed: every torch.distributed collective, scalars left out) beside the
-  formula (`hf_zero.memory.comm_elements_per_step`).
+  formula (`hf_zero.tools.estimate.formulas.comm_elements_per_step`).
 
 Systems live in the SYSTEMS registry below (name -> SystemSpec with a builder); add peers there. A peer from an
 optional extra (DeepSpeed: `pip install deepspeed`) that cannot be imported gets a row with status "skipped" and the
-reason, never an error. The command line, the table and --json are in bench_cli.py; `--plot out.png` draws
-throughput and bytes per rank per system (bench_plot.py).
+reason, never an error. The command line, the table and --json are in cli.py; `--plot out.png` draws
+throughput and bytes per rank per system (plot.py).
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .bench_trainers import DDPTrainer, FSDP2Trainer, HfZeroTrainer, Trainer, ZeroRedundancyTrainer
+from .base import Settings, Trainer, WorkerContext
+from .trainers import DDPTrainer, FSDP2Trainer, HfZeroTrainer, ZeroRedundancyTrainer
 
 HF_ZERO_PREFIX = "zero"  # zero0..zero3 are hf_zero; their failure makes the exit code non-zero
 DEFAULT_TIMEOUT_S = 1800
@@ -50,35 +51,11 @@ PRESETS: Dict[str, Dict[str, Any]] = {
 }
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
     print(f"[hf-zero bench] {msg}", file=sys.stderr, flush=True)
 
 
-# ====================================================================================================== settings
-@dataclass
-class Settings:
-    """Everything a worker needs (picklable)."""
-
-    model_config: Dict[str, Any]
-    model_name: str
-    steps: int
-    warmup: int
-    batch_size: int
-    seq_len: int
-    grad_accum: int
-    mixed_precision: str
-    num_processes: int
-    lr: float
-    seed: int
-    timeout_s: float
-    threads_per_rank: int = 1
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.num_processes * self.batch_size * self.seq_len * self.grad_accum
-
-
-def _load_model_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], str]:
+def load_model_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], str]:
     if args.config:
         with open(args.config) as f:
             cfg = json.load(f)
@@ -90,7 +67,7 @@ def _load_model_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], str]:
 
 def build_config(model_config: Dict[str, Any]):
     """A transformers config from a dict, with every dropout probability set to 0 and the KV cache off."""
-    from .integrations.hf_models import config_from_dict, quiet
+    from ...integrations.hf_models import config_from_dict, quiet
 
     quiet()
     config = config_from_dict(model_config)
@@ -102,7 +79,7 @@ def build_config(model_config: Dict[str, Any]):
     return config
 
 
-def _max_positions(config) -> Optional[int]:
+def max_positions(config) -> Optional[int]:
     for key in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
@@ -117,7 +94,7 @@ class SystemSpec:
 
     build: Callable[[Any, "WorkerContext"], Trainer]
     state_stage: int  # model_state_bytes() stage
-    recipe: Callable[[Settings], Any]  # -> hf_zero.memory.Recipe
+    recipe: Callable[[Settings], Any]  # -> hf_zero.tools.estimate.formulas.Recipe
     comm_formula: Callable[[float, Settings], Dict[str, float]]  # Ψ, settings -> elements per kind per step
     hf_zero: bool = False
     note: str = ""
@@ -127,21 +104,21 @@ class SystemSpec:
 
 
 def _fp32_recipe(settings: Settings):
-    from .memory import recipe
+    from ..estimate.formulas import recipe
 
     return recipe("no")  # fp32 parameters, gradients and Adam states (autocast keeps fp32 weights)
 
 
 def _hf_zero_recipe(settings: Settings):
-    from .config import ZeroConfig
-    from .memory import recipe
+    from ...config import ZeroConfig
+    from ..estimate.formulas import recipe
 
     return recipe(settings.mixed_precision, ZeroConfig().grad_accum_dtype)
 
 
 def _paper_comm(stage: int) -> Callable[[float, Settings], Dict[str, float]]:
     def formula(psi: float, settings: Settings) -> Dict[str, float]:
-        from .memory import comm_elements_per_step
+        from ..estimate.formulas import comm_elements_per_step
 
         return comm_elements_per_step(psi, stage, settings.grad_accum)
 
@@ -153,19 +130,19 @@ def _zero_redundancy_comm(psi: float, settings: Settings) -> Dict[str, float]:
 
 
 def _deepspeed_unavailable() -> Optional[str]:
-    from .bench_deepspeed import unavailable_reason
+    from .deepspeed import unavailable_reason
 
     return unavailable_reason()
 
 
 def _build_deepspeed(model, ctx: "WorkerContext", stage: int) -> Trainer:
-    from .bench_deepspeed import DeepSpeedTrainer
+    from .deepspeed import DeepSpeedTrainer
 
     return DeepSpeedTrainer(model, ctx, stage)
 
 
 def _deepspeed_recipe(settings: Settings):
-    from .memory import recipe
+    from ..estimate.formulas import recipe
 
     return recipe(settings.mixed_precision)  # gradients in the compute dtype, as DeepSpeed keeps them
 
@@ -200,15 +177,6 @@ SYSTEMS: Dict[str, SystemSpec] = {
 
 
 # ====================================================================================================== worker
-@dataclass
-class WorkerContext:
-    rank: int
-    world_size: int
-    device: Any
-    settings: Settings
-    autocast: bool = True
-
-
 def _peak_bytes(device) -> int:
     import torch
 
@@ -229,8 +197,8 @@ def _peak_bytes(device) -> int:
 def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
-    from .integrations.hf_models import causal_lm_from_config, quiet
-    from .memory import model_state_bytes
+    from ...integrations.hf_models import causal_lm_from_config, quiet
+    from ..estimate.formulas import model_state_bytes
 
     quiet()
     s = ctx.settings

@@ -63,11 +63,16 @@ class Comm:
         # Engines are built in the same order on every rank, so this numbers them alike: store keys of one engine
         # never meet another's.
         Comm._instances += 1
-        self._prefix = f"hfz/{Comm._instances}"
         self._gloo_devices = gloo_device_types(str(dist.get_backend(group))) if self.distributed else set()
         self._global_ranks = ([dist.get_global_rank(group, r) if group is not None else r
                                for r in range(self.world_size)] if self.distributed else [0])
+        # ...and the group's members tell apart the engines of different subgroups (tp x dp meshes)
+        self._prefix = f"hfz/{Comm._instances}/{'-'.join(map(str, self._global_ranks))}"
         self.reset_stats()
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank of this group's `rank` (what torch.distributed's `src`/`dst` arguments take)."""
+        return self._global_ranks[rank]
 
     # ------------------------------------------------------------------ ledger
     def reset_stats(self) -> None:

@@ -23,7 +23,7 @@ import warnings
 from collections import defaultdict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
-from .bench import Trainer, WorkerContext
+from .base import Trainer, WorkerContext
 
 INSTALL_HINT = "pip install deepspeed (the optional `bench` extra)"
 
@@ -192,7 +192,7 @@ def model_state_bytes(engine) -> Dict[str, int]:
 # ====================================================================================================== trainer
 def deepspeed_config(ctx: WorkerContext, stage: int) -> Dict[str, Any]:
     """DeepSpeed's config for the bench's settings: same batch, accumulation and precision; hf_zero's buckets."""
-    from .config import ZeroConfig
+    from ...config import ZeroConfig
 
     s = ctx.settings
     bf16 = s.mixed_precision == "bf16"

@@ -17,7 +17,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .config import ZeroConfig
+from ..config import ZeroConfig
 
 
 @dataclass(frozen=True)

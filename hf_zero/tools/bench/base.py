@@ -1,0 +1,63 @@
+"""What every bench system shares: the run's settings, one worker's context, and the Trainer interface a system
+implements (runner.py runs them, trainers.py and deepspeed.py implement them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+
+@dataclass
+class Settings:
+    """Everything a worker needs (picklable)."""
+
+    model_config: Dict[str, Any]
+    model_name: str
+    steps: int
+    warmup: int
+    batch_size: int
+    seq_len: int
+    grad_accum: int
+    mixed_precision: str
+    num_processes: int
+    lr: float
+    seed: int
+    timeout_s: float
+    threads_per_rank: int = 1
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.num_processes * self.batch_size * self.seq_len * self.grad_accum
+
+
+@dataclass
+class WorkerContext:
+    rank: int
+    world_size: int
+    device: Any
+    settings: Settings
+    autocast: bool = True
+
+
+class Trainer:
+    """One system's training loop pieces on one rank."""
+
+    def micro_step(self, input_ids, final: bool):
+        """Forward and backward of one micro-batch (gradient sync only when `final`); returns the detached loss."""
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        """Before each step's first micro-batch (set to None), so the gradients exist when measured after the loop."""
+
+    def state_bytes(self) -> int:
+        raise NotImplementedError
+
+    def comm_elements(self) -> Optional[Dict[str, float]]:
+        """Cumulative elements sent per collective kind (paper counting), or None when not measured."""
+        return None
+
+    def row_extras(self) -> Dict[str, Any]:
+        """Extra fields for the system's row (rank 0's), e.g. a peer's version."""
+        return {}

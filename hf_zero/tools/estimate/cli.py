@@ -1,0 +1,162 @@
+"""hf-zero estimate: the command line over tools/estimate (formula mode, plan mode, activations, --fits)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from ...config import ZeroConfig
+from .activations import ATTENTION_KINDS, activation_report
+from .plan import (GB, MAX_WORLD, STAGES, Planner, fits_formula, fits_plan, fits_with_activations, formula_recipe,
+                   formula_report, plan_report)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=float, help="formula mode: Ψ, the number of trainable parameters (e.g. 7.5e9)")
+    what.add_argument("--model", help="plan mode: a local config.json (or its folder); built on the meta device")
+    parser.add_argument("--num-processes", type=int, default=None, help="N, the data-parallel world size")
+    parser.add_argument("--stage", type=int, choices=STAGES, default=None, help="one stage (default: all four)")
+    parser.add_argument("--mixed-precision", default="bf16", choices=("no", "fp32", "bf16", "fp16"))
+    parser.add_argument("--grad-accum-dtype", default=None, choices=("fp32", "compute"),
+                        help="gradient accumulation dtype (default: 'compute' with --params, ZeroConfig's 'fp32' "
+                             "with --model)")
+    parser.add_argument("--optimizer-k", type=int, default=None,
+                        help="formula mode: K, bytes of master + optimizer states per parameter (paper: 12)")
+    parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per optimizer step")
+    parser.add_argument("--fits", type=float, default=None, metavar="GB",
+                        help="also print the smallest N (1..65536) for which each stage fits in GB per device")
+    parser.add_argument("--batch-size", type=int, default=None, metavar="B",
+                        help="plan mode: micro-batch size per device; with --seq-len adds the activation estimate "
+                             "(with and without checkpointing) and counts it in --fits")
+    parser.add_argument("--seq-len", type=int, default=None, metavar="S", help="plan mode: sequence length")
+    parser.add_argument("--attention", choices=ATTENTION_KINDS, default="eager",
+                        help="eager keeps the a*s*s attention probabilities (the paper's count); sdpa: a fused "
+                             "flash / memory-efficient kernel that does not")
+    parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f}" if x >= 0.05 * GB or x == 0 else f"{x / GB:.3g}"
+
+
+def _fmt_comm(d: Dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3g}" for k, v in sorted(d.items()))
+
+
+def _table(header: List[str], rows: List[List[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    stages = STAGES if args.stage is None else (args.stage,)
+    n = args.num_processes
+    with_activations = args.batch_size is not None or args.seq_len is not None
+    if n is None and args.fits is None and not with_activations:
+        print("hf-zero estimate: give --num-processes N (and/or --fits GB, --batch-size B --seq-len S)",
+              file=sys.stderr)
+        return 2
+    if n is not None and not 1 <= n <= MAX_WORLD:
+        print(f"hf-zero estimate: --num-processes must be in 1..{MAX_WORLD}", file=sys.stderr)
+        return 2
+    if with_activations and (args.batch_size is None or args.seq_len is None or args.model is None):
+        print("hf-zero estimate: activations need --model with both --batch-size and --seq-len", file=sys.stderr)
+        return 2
+    budget = args.fits * GB if args.fits is not None else None
+    out: Dict[str, Any]
+    if args.params is not None:
+        r = formula_recipe(args.mixed_precision, args.optimizer_k, args.grad_accum_dtype or "compute")
+        out = formula_report(args.params, n or 1, r, args.micro_batches, stages) if n else {
+            "mode": "formula", "psi": args.params, "recipe": dataclasses.asdict(r), "stages": {}}
+        if budget is not None:
+            out["fits"] = {"gb": args.fits, "min_world_size": fits_formula(args.params, r, budget, stages)}
+    else:
+        config = ZeroConfig(mixed_precision=args.mixed_precision, grad_accum_dtype=args.grad_accum_dtype or "fp32")
+        from ...integrations.hf_models import meta_model
+
+        try:
+            model = meta_model(args.model)
+        except (OSError, ValueError) as exc:  # a missing or unreadable config: say which, no traceback
+            print(f"hf-zero estimate: error: {exc}. Give --model a local config.json or model folder, or --params N",
+                  file=sys.stderr)
+            return 2
+        planner = Planner(model, config)
+        out = plan_report(model, n or 1, config, stages, micro_batches=args.micro_batches, planner=planner) if n \
+            else {"mode": "plan", "stages": {}}
+        if with_activations:
+            out["activations"] = activation_report(model, args.batch_size, args.seq_len, config, args.attention)
+        if budget is not None:
+            out["fits"] = {"gb": args.fits, "min_world_size": fits_plan(model, config, budget, stages,
+                                                                        planner=planner)}
+            if with_activations:
+                out["fits"]["with_activations"] = fits_with_activations(model, config, budget, out["activations"],
+                                                                        stages, planner)
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    if args.json:
+        print(json.dumps(out, default=float))
+        return 0
+    print(_render(out, n))
+    return 0
+
+
+def _render(out: Dict[str, Any], n: Optional[int]) -> str:
+    lines = []
+    if out["mode"] == "formula":
+        r = out["recipe"]
+        lines.append(f"Formula mode: Ψ = {out['psi']:.4g} trainable parameters, " + (f"N = {n}, " if n else "") +
+                     f"bytes/param: "
+                     f"params {r['param']}, grads {r['grad']}, master {r['master']}, optimizer {r['optim']}")
+        if out["stages"]:
+            rows = [[f"stage {s}", _gb(v["model_states"]), _fmt_comm(v["comm_elements"]), _fmt_comm(v["comm_bytes"])]
+                    for s, v in out["stages"].items()]
+            lines.append(_table(["", "model states / rank (GB)", "comm elements / step / rank",
+                                 "comm bytes / step / rank"], rows))
+    else:
+        if out["stages"]:
+            lines.append(f"Plan mode: Ψ = {out['psi']:,} trainable + {out['frozen']:,} frozen, N = {n}, "
+                         f"mixed_precision {out['mixed_precision']}, grad_accum_dtype {out['grad_accum_dtype']}, "
+                         f"buckets: reduce {out['reduce_bucket_size']:,} B, all-gather "
+                         f"{out['allgather_bucket_size']:,} B")
+            rows = []
+            for s, v in out["stages"].items():
+                r0, mx = v["rank0"], v["max"]
+                rows.append([f"stage {s}", _gb(r0["params"]), _gb(r0["grads"]), _gb(r0["master"]),
+                             _gb(r0["optimizer_states"]), _gb(r0["model_states"]),
+                             f"{_gb(mx['model_states'])} (r{mx['rank']})", f"{v['padding_elements']:,}",
+                             _gb(v["largest_unit_bytes"]), _fmt_comm(v["comm_elements"]), _fmt_comm(v["comm_bytes"])])
+            lines.append(_table(["", "params GB", "grads GB", "master GB", "optim GB", "rank 0 GB", "max GB",
+                                 "padding el.", "largest unit GB", "comm elements/step", "comm bytes/step"], rows))
+    if "activations" in out:
+        lines.extend(_render_activations(out["activations"]))
+    if "fits" in out:
+        f = out["fits"]
+        lines.append(f"Fits in {f['gb']:g} GB per device (model states only): " + _fits_parts(f["min_world_size"]))
+        for mode, mins in f.get("with_activations", {}).items():
+            peak = out["activations"][mode]["peak"]
+            alone = f" (the activations alone need {_gb(peak)} GB)" if peak >= f["gb"] * GB else ""
+            lines.append(f"Fits in {f['gb']:g} GB per device with activations, {mode.replace('_', ' ')}: "
+                         + _fits_parts(mins) + alone)
+    lines.append(f"({out['seconds']:.2f} s)")
+    return "\n".join(lines)
+
+
+def _fits_parts(mins: Dict[Any, Optional[int]]) -> str:
+    return "; ".join(f"stage {s}: " + (f"N >= {m}" if m else f"does not fit (N <= {MAX_WORLD})")
+                     for s, m in mins.items())
+
+
+def _render_activations(act: Dict[str, Any]) -> List[str]:
+    rows = [[mode.replace("_", " "), _gb(v["per_layer"]), _gb(v["layers"]), _gb(v["outside"]), _gb(v["stored"]),
+             _gb(v["peak"])] for mode, v in ((m, act[m]) for m in ("no_checkpointing", "checkpointing"))]
+    return [f"Activations per device (any stage, any N): micro-batch {act['batch_size']} x {act['seq_len']} tokens, "
+            f"{act['dtype_bytes']}-byte activations, {act['attention']} attention",
+            _table(["", "one layer GB", "layers keep GB", "outside layers GB", "stored GB", "peak GB"], rows),
+            f"Formula: {act['formula']}. The paper's 16-bit formula for these layers alone: "
+            f"{_gb(act['paper_layers_16bit'])} GB."]
