@@ -8,6 +8,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .partitioned import partition_parameter
 from .planning import GroupPlan
 
 
@@ -88,6 +89,8 @@ class FlatGroup:
             self.full = torch.empty(plan.padded_numel, dtype=plan.dtype, device=device)
         self.point_params(self.full)
         if stage == 3:
+            for p, slot in zip(params, plan.slots):  # reads outside a gather raise instead of reading freed memory
+                partition_parameter(p, " / ".join(slot.aliases), self)
             self.free_full()
         self.master: Optional[torch.Tensor] = None
         self.grad_full: Optional[torch.Tensor] = None
@@ -144,4 +147,6 @@ class FlatGroup:
         params = _bytes(self.full) if self.stage < 3 else _bytes(self.shard)
         grads = _bytes(self.grad_full) if self.grad_full is not None else _bytes(self.grad_shard)
         master = 0 if (self.master is None or self.master_is_shard) else _bytes(self.master)
-        return {"params": params, "grads": grads, "master": master}
+        trainable = params if self.plan.trainable else 0
+        return {"params": params, "params_trainable": trainable, "params_frozen": params - trainable, "grads": grads,
+                "master": master}
