@@ -2,9 +2,10 @@
 in execution order, release after use.
 
 Hooks per unit module:
-- forward pre-hook: wait for (or issue) the unit's all-gather, point parameters at the gathered buffer, prefetch
-  the next `prefetch` units of the recorded forward order; wrap tensor inputs that require grad in an identity
-  autograd function whose backward marks "the unit's backward reached its inputs".
+- forward pre-hook: wait for (or issue) the unit's all-gather, prefetch the next `prefetch` units of the recorded
+  forward order; wrap tensor inputs that require grad in an identity autograd function whose backward says "the
+  backward of one forward reached the unit's inputs". The unit counts its forwards that still wait for that, so
+  several forwards before one backward (contrastive, DPO-style losses) keep it gathered until the last is done.
 - forward hook: register a gradient hook on the outputs (fires just before the unit's backward: gather again,
   prefetch the previous unit) and release, unless the unit is the root (it stays gathered into the backward,
   saving its second all-gather) or the backward is recomputing it.
@@ -12,7 +13,11 @@ Hooks per unit module:
   has reached the unit's inputs; whatever is left is released when autograd finishes.
 
 Transformers checkpoints a layer's `forward`, not its `__call__`, so these hooks do not run again during
-recomputation; the gradient hook on the outputs has already gathered the parameters by then.
+recomputation; the gradient hook on the outputs has already gathered the parameters by then. A checkpoint around
+the unit's `__call__` (user code, torch.utils.checkpoint with either `use_reentrant`) runs the forward hooks
+again inside the backward: that forward gathers this unit only, prefetches in backward order, and counts
+towards release only when no earlier forward of the unit is waiting (the reentrant case, whose recomputed graph
+is the one the backward runs through).
 """
 from __future__ import annotations
 
@@ -66,7 +71,7 @@ class Unit:
         self.handles: List[Handle] = []
         self.in_backward = False
         self.pending_groups = 0  # trainable groups not yet handed to the reducer in this backward
-        self.inputs_pending = False
+        self.forwards_pending = 0  # forwards with grad whose backward has not yet reached the unit's inputs
         self.pinned = False  # inside gathered_parameters(): hooks never release
         self.is_root = is_root  # the root stays gathered from its forward to the end of the backward
 
@@ -101,10 +106,9 @@ class Unit:
 
     # ------------------------------------------------------------ backward bookkeeping
     def start_backward(self) -> None:
-        if self.in_backward:
-            return
-        self.in_backward = True
-        self.pending_groups = sum(1 for g in self.groups if g.plan.trainable)
+        if not self.in_backward:
+            self.in_backward = True
+            self.pending_groups = sum(1 for g in self.groups if g.plan.trainable)
         self.wait_gather()
 
     def group_launched(self) -> None:
@@ -112,15 +116,15 @@ class Unit:
         self._maybe_release_after_backward()
 
     def inputs_done(self) -> None:
-        self.inputs_pending = False
+        self.forwards_pending = max(0, self.forwards_pending - 1)
         self._maybe_release_after_backward()
 
     def _maybe_release_after_backward(self) -> None:
-        if self.in_backward and not self.is_root and self.pending_groups <= 0 and not self.inputs_pending:
+        if self.in_backward and not self.is_root and self.pending_groups <= 0 and self.forwards_pending == 0:
             self.release()
 
     def end_backward(self) -> None:
-        self.in_backward, self.inputs_pending, self.pending_groups = False, False, 0
+        self.in_backward, self.forwards_pending, self.pending_groups = False, 0, 0
         self.release()
 
 
@@ -160,16 +164,23 @@ class Gatherer:
                 self._recording = False  # the second forward starts: the order is known
             if self._recording and unit not in self.order:
                 self.order.append(unit)
-            unit.wait_gather()
-            for nxt in self._next_units(unit, backward=False):
-                nxt.issue_gather()
-            if not torch.is_grad_enabled() or unit is self.root:
+            # a forward with grad inside a backward: a checkpoint around the unit's __call__ recomputes it
+            recomputing = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+            if recomputing:
+                unit.start_backward()
+                for prev in self._next_units(unit, backward=True):
+                    prev.issue_gather()
+            else:
+                unit.wait_gather()
+                for nxt in self._next_units(unit, backward=False):
+                    nxt.issue_gather()
+            if not torch.is_grad_enabled() or unit is self.root or (recomputing and unit.forwards_pending > 0):
                 return None
             flat, spec = tree_flatten((args, kwargs))
             idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-            unit.inputs_pending = bool(idx)
             if not idx:
                 return None
+            unit.forwards_pending += 1
             out = _PostBackward.apply(unit, *[flat[i] for i in idx])
             out = out if isinstance(out, tuple) else (out,)
             for i, t in zip(idx, out):
