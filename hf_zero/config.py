@@ -13,6 +13,7 @@ import torch
 
 _MIXED_PRECISION = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _GRAD_ACCUM = ("fp32", "compute")
+_REDUCE = ("fp32", "compute")
 _OFFLOAD = ("none", "cpu")
 
 
@@ -30,6 +31,10 @@ class ZeroConfig:
             dtype, fp32 master weights and optimizer states inside the shard; fp16 adds dynamic loss scaling).
         grad_accum_dtype: "fp32" accumulates gradients (full buffer at stages 0/1, shard at 2/3) in fp32; "compute"
             accumulates them in the compute dtype as the paper counts it (saves memory, loses precision with bf16).
+        reduce_dtype: the dtype stage-2/3 gradient buckets are reduce-scattered in: "fp32" or "compute" (the compute
+            dtype; fp16 buckets are divided by the world size before the sum so it cannot overflow N times sooner).
+            Default (None): "fp32" under fp16 and bf16 (a bf16 sum of N ranks loses bits: see the README), the
+            parameters' own dtype otherwise. Stages 0/1 reduce their accumulator, in grad_accum_dtype.
         reduce_bucket_size: bytes per gradient bucket at stages 0-2 (C_B: constant, independent of model size).
         allgather_bucket_size: bytes per all-gather bucket after the step at stages 1-2.
         prefetch: stage 3: how many units ahead to all-gather while the current one computes (0 disables).
@@ -47,6 +52,7 @@ class ZeroConfig:
     stage: int = 2
     mixed_precision: str = "no"
     grad_accum_dtype: str = "fp32"
+    reduce_dtype: Optional[str] = None
     reduce_bucket_size: int = 25 * 2**20
     allgather_bucket_size: int = 25 * 2**20
     prefetch: int = 1
@@ -77,6 +83,9 @@ class ZeroConfig:
         self.mixed_precision = "no" if mp == "fp32" else mp
         if self.grad_accum_dtype not in _GRAD_ACCUM:
             raise ZeroConfigError(f"grad_accum_dtype={self.grad_accum_dtype!r}; allowed: {', '.join(_GRAD_ACCUM)}")
+        if self.reduce_dtype is not None and self.reduce_dtype not in _REDUCE:
+            raise ZeroConfigError(f"reduce_dtype={self.reduce_dtype!r}; allowed: {', '.join(_REDUCE)} (or None for "
+                                  f"the default: fp32 under mixed precision)")
         for name in ("reduce_bucket_size", "allgather_bucket_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -103,6 +112,12 @@ class ZeroConfig:
     def compute_dtype(self) -> Optional[torch.dtype]:
         """The dtype parameters are cast to for forward/backward, or None to keep each parameter's own dtype."""
         return _MIXED_PRECISION[self.mixed_precision]
+
+    def reduce_torch_dtype(self, group_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a stage-2/3 bucket of `group_dtype` gradients is reduce-scattered in."""
+        low = group_dtype.is_floating_point and torch.finfo(group_dtype).bits < 32
+        choice = self.reduce_dtype or ("fp32" if self.compute_dtype is not None else "compute")
+        return torch.float32 if (choice == "fp32" and low) else group_dtype
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ZeroConfig":

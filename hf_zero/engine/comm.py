@@ -112,10 +112,15 @@ class Comm:
         for key in others:
             theirs = store.get(key).decode()
             if theirs.split(" ", 1)[1] != desc.split(" ", 1)[1]:
+                other = key.rsplit('/', 1)[1]
+                units = [_unit_of(d) for d in (desc, theirs)]
+                hint = (f" Rank {self.rank} was gathering unit {units[0]} and rank {other} unit {units[1]}: one of "
+                        f"them skipped or repeated a unit (a module that runs on some ranks only)."
+                        if all(units) else "")
                 raise CollectiveMismatchError(
-                    f"collective mismatch: rank {self.rank} issued {desc} but rank {key.rsplit('/', 1)[1]} issued "
-                    f"{theirs}. Ranks must run the same modules in the same order (stage 3: use "
-                    f"engine.gathered_parameters() around uneven work)"
+                    f"collective mismatch: rank {self.rank} issued {desc} but rank {other} issued {theirs}.{hint} "
+                    f"Ranks must run the same modules in the same order (stage 3: use engine.gathered_parameters() "
+                    f"around uneven work)"
                 )
 
     # ------------------------------------------------------------------ collectives
@@ -188,6 +193,12 @@ class Comm:
         self._check("broadcast", tag, tensor.numel())
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         dist.broadcast(tensor, global_src, group=self.group)
+
+
+def _unit_of(description: str) -> Optional[str]:
+    """The stage-3 unit a collective's description names ("... for params of unit NAME"), if any."""
+    marker = "for params of unit "
+    return description.split(marker, 1)[1] if marker in description else None
 
 
 def gloo_device_types(backend: str) -> Set[str]:

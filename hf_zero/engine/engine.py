@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import warnings
 import weakref
 from typing import Dict, Iterator, List, Optional
 
@@ -57,12 +58,14 @@ class ZeroEngine:
         self.groups = self._build_groups()
         self.reducer = Reducer(
             self.groups, config.stage, self.comm, self.pool, max_inflight_bytes=4 * config.reduce_bucket_size,
-            on_launch=self._on_group_launched, on_backward_end=self._on_backward_end,
+            reduce_dtype=config.reduce_torch_dtype, on_launch=self._on_group_launched, on_backward_end=self._on_backward_end,
         )
         self.gathered = GatheredBytes()
         self.gatherer: Optional[Gatherer] = self._build_gatherer() if config.stage == 3 else None
         if self.gatherer is not None:
             model.register_state_dict_pre_hook(self._guard_state_dict)
+        elif config.compute_dtype is not None and any(g.plan.trainable for g in self.groups):
+            model.register_state_dict_pre_hook(self._warn_compute_copy)
         self._allow_state_dict = False
         self.optimizer = ZeroOptimizer(optimizer, self.groups, self.reducer, self.comm, config, self.device)
         self.comm.reset_stats()  # the start-up broadcast is not training traffic
@@ -178,6 +181,15 @@ class ZeroEngine:
             "accelerator.save_model / accelerator.get_state_dict), or wrap the call in engine.gathered_parameters()."
         )
 
+    def _warn_compute_copy(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self._allow_state_dict or prefix:
+            return
+        warnings.warn(
+            f"hf_zero: under mixed_precision={self.config.mixed_precision!r} the model's parameters are the "
+            f"{self.config.mixed_precision} compute copy; the fp32 master weights live in the ZeRO optimizer's "
+            f"shards. model.state_dict() / save_pretrained() save the rounded copy: use engine.full_state_dict() "
+            f"(accelerator.save_model / accelerator.get_state_dict) for the fp32 weights.", stacklevel=3)
+
     # ------------------------------------------------------------------ training API
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), with the fp16 loss scale applied."""
@@ -210,10 +222,10 @@ class ZeroEngine:
         self.comm.reset_stats()
 
     def memory_stats(self) -> Dict[str, int]:
-        """Bytes of model states this rank holds (params, grads, master, optimizer_states; `offloaded`: the part of
-        them kept in host memory), plus buffers (module buffers, pooled buckets and gathered parameters) and the
+        """Bytes of model states this rank holds (params, split into params_trainable and params_frozen; grads,
+        master, optimizer_states; `offloaded`: the part of them kept in host memory), plus buffers (module buffers, pooled buckets and gathered parameters) and the
         total."""
-        out = {"params": 0, "grads": 0, "master": 0}
+        out = {"params": 0, "params_trainable": 0, "params_frozen": 0, "grads": 0, "master": 0}
         for g in self.groups:
             for k, v in g.state_bytes().items():
                 out[k] += v

@@ -235,7 +235,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _gather_updated_params(self) -> None:
         """The shard was updated: refresh the compute copy and (stages 1/2) all-gather the full parameters."""
         handles, sizes = [], []
-        for g in self.groups:
+        for g in self.trainable_groups():  # frozen groups never change: never communicated after the start
             g.write_master_to_shard()
             if self.config.stage in (1, 2) and self.comm.world_size > 1:
                 handles.append(self.comm.all_gather(g.full, g.shard, f"params of group {g.plan.index}"))

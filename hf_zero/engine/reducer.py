@@ -8,9 +8,14 @@
   complete, reduce-scatters the bucket, and adds the owned range into the (fp32) gradient shard. A full-size
   gradient lives no longer than its bucket.
 
-Reductions are issued asynchronously from post-accumulate-grad hooks, so they overlap the rest of the backward;
-`finalize()` waits for them before the norm or the step reads the shards. Sums are divided by the world size
-once, at finalize.
+Reductions are issued asynchronously from post-accumulate-grad hooks, so they overlap the rest of the backward,
+and always in one fixed order (reverse group order, which is the backward's order for a stack of blocks): a group
+whose gradients are complete waits until every group before it in that order has been launched. At the end of a
+synchronising backward every group not yet launched is launched, zeros where no gradient arrived, so every rank
+issues every group once and in the same order even when ranks used different parameters (a branch one rank
+skips: the result is DDP's with find_unused_parameters=True). The backward waits for its reductions before it
+returns, so no collective of the reducer's is left in flight. Sums are divided by the world size once, at
+`finalize()`, which only the step calls.
 """
 from __future__ import annotations
 
@@ -24,15 +29,18 @@ from .comm import Comm, Handle
 
 
 class _GroupState:
-    __slots__ = ("group", "expected", "ready", "bucket", "handle", "dirty", "reduced")
+    __slots__ = ("group", "expected", "ready", "complete", "bucket", "handle", "reduced", "reduce_dtype", "predivide")
 
-    def __init__(self, group: FlatGroup) -> None:
+    def __init__(self, group: FlatGroup, reduce_dtype: torch.dtype, world_size: int) -> None:
         self.group = group
+        self.reduce_dtype = reduce_dtype  # stages 2/3: the bucket's dtype on the wire
+        # an fp16 sum of N ranks' (loss-scaled) gradients overflows N times sooner: divide each share first
+        self.predivide = reduce_dtype == torch.float16 and world_size > 1
         self.expected = len(group.params)
-        self.ready = 0
+        self.ready = 0  # gradients arrived in this backward
+        self.complete = False  # all of them arrived in this backward
         self.bucket: Optional[torch.Tensor] = None
         self.handle: Optional[Handle] = None
-        self.dirty = False  # stage 0/1: gradients added since the last reduction
         self.reduced = False  # stage 1: the owned range holds a reduced sum, the rest is stale
 
 
@@ -40,10 +48,12 @@ class Reducer:
     """Owns the post-accumulate-grad hooks of all trainable parameters."""
 
     def __init__(self, groups: List[FlatGroup], stage: int, comm: Comm, pool: BufferPool,
-                 max_inflight_bytes: int, on_launch: Optional[Callable[[FlatGroup], None]] = None,
+                 max_inflight_bytes: int, reduce_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: d,
+                 on_launch: Optional[Callable[[FlatGroup], None]] = None,
                  on_backward_end: Optional[Callable[[], None]] = None) -> None:
         self.stage, self.comm, self.pool = stage, comm, pool
-        self.states = [_GroupState(g) for g in groups if g.plan.trainable]
+        self.states = [_GroupState(g, reduce_dtype(g.plan.dtype) if stage >= 2 else g.plan.dtype, comm.world_size)
+                       for g in groups if g.plan.trainable]
         self.by_param: Dict[int, tuple] = {}
         for st in self.states:
             for p, slot in zip(st.group.params, st.group.plan.slots):
@@ -51,6 +61,9 @@ class Reducer:
         self.max_inflight_bytes = max_inflight_bytes
         self.on_launch, self.on_backward_end = on_launch, on_backward_end
         self.sync = True
+        self.order = list(reversed(self.states))  # the one launch order, the same on every rank
+        self._next = 0  # position in `order` of the next group to launch in this backward
+        self._unreduced = False  # stages 0/1: a backward without sync left local sums for the step to reduce
         self.inflight: List[Handle] = []
         self._callback_queued = False
         self.finalized = False
@@ -78,34 +91,49 @@ class Reducer:
         if self.stage < 2:
             if st.handle is not None:
                 st.handle.wait()  # never add into a buffer a collective is still reading
-            if st.reduced:  # stage 1, a backward after a reduction: keep the owned sum, clear the stale rest
-                g.grad_full[:g.lo].zero_()
-                g.grad_full[g.hi:].zero_()
-                st.reduced = False
+            self._clear_stale(st)
             g.grad_full[slot.offset:slot.offset + slot.numel].add_(grad)
-            st.dirty = True
         else:
             if st.bucket is None:
-                st.bucket = self.pool.take(g.plan.padded_numel, grad.dtype, grad.device, zero=True)
-            st.bucket[slot.offset:slot.offset + slot.numel].copy_(grad)
+                st.bucket = self.pool.take(g.plan.padded_numel, st.reduce_dtype, grad.device, zero=True)
+            st.bucket[slot.offset:slot.offset + slot.numel].copy_(grad)  # cast to the reduce dtype
         p.grad = None
         st.ready += 1
-        if st.ready == st.expected and (self.stage >= 2 or self.sync):
-            self._launch(st)
+        if st.ready == st.expected:
+            st.complete = True
+            if self.stage >= 2 or self.sync:
+                self._launch_in_order()
+
+    def _clear_stale(self, st: _GroupState) -> None:
+        """Stage 1 after a reduction: keep the owned sum, zero the stale rest before new gradients go in."""
+        if st.reduced:
+            g = st.group
+            g.grad_full[:g.lo].zero_()
+            g.grad_full[g.hi:].zero_()
+            st.reduced = False
+
+    def _launch_in_order(self) -> None:
+        while self._next < len(self.order) and self.order[self._next].complete:
+            self._launch(self.order[self._next])
+            self._next += 1
 
     def _launch(self, st: _GroupState) -> None:
         g, tag = st.group, f"grads of group {st.group.plan.index} (unit {st.group.plan.unit})"
-        st.ready = 0
+        self.finalized = False
         if self.stage == 0:
             world = self.comm.world_size
             st.handle = self.comm.all_reduce(g.grad_full, tag, on_done=lambda: g.grad_full.div_(world))
-            st.dirty = False
         elif self.stage == 1:
             # In place: the owned range of grad_full is the gradient shard, so the sum lands where the step reads it.
+            self._clear_stale(st)  # no gradient since the last reduction: contribute zeros outside the owned range
             st.handle = self.comm.reduce_scatter(g.grad_shard, g.grad_full, tag)
-            st.dirty, st.reduced = False, True
+            st.reduced = True
         else:
             bucket, st.bucket = st.bucket, None
+            if bucket is None:  # no gradient arrived on this rank: its share of the sum is zero
+                bucket = self.pool.take(g.plan.padded_numel, st.reduce_dtype, g.device, zero=True)
+            elif st.predivide:
+                bucket.div_(self.comm.world_size)
             owned = bucket[g.lo:g.hi]
 
             def done(owned=owned, bucket=bucket) -> None:
@@ -124,15 +152,18 @@ class Reducer:
             self.inflight.pop(0).wait()
 
     def _end_of_backward(self) -> None:
-        """Runs once when autograd finishes: reduce groups left incomplete (parameters that got no gradient)."""
+        """Runs once when autograd finishes: launch what is left, in order (a synchronising backward), and wait."""
         self._callback_queued = False
-        for st in self.states:
-            if self.stage >= 2 and st.ready > 0:
+        if self.stage >= 2 or self.sync:
+            for st in self.order[self._next:]:  # parameters that got no gradient here: every rank launches them
                 self._launch(st)
-            elif self.stage < 2:
-                st.ready = 0
-                if self.sync and st.dirty:
-                    self._launch(st)
+            self._unreduced = False
+            self.wait()
+        else:
+            self._unreduced = True  # stages 0/1 inside no_sync(): the sums stay local until a sync or the step
+        self._next = 0
+        for st in self.states:
+            st.ready, st.complete = 0, False
         if self.on_backward_end is not None:
             self.on_backward_end()
 
@@ -150,14 +181,15 @@ class Reducer:
         """Make every owned gradient range final and averaged (idempotent until the next backward)."""
         if self.finalized:
             return
-        if self.stage < 2:
-            for st in self.states:
-                if st.dirty:  # a step without a synchronising backward: reduce now
-                    self._launch(st)
+        if self.stage < 2 and self._unreduced:  # a step without a synchronising backward: reduce now
+            for st in self.order:
+                self._launch(st)
+            self._unreduced = False
         self.wait()
         if self.stage >= 1 and self.comm.world_size > 1:
             for st in self.states:
-                st.group.grad_shard.div_(self.comm.world_size)
+                if not st.predivide:
+                    st.group.grad_shard.div_(self.comm.world_size)
         self.finalized = True
 
     def zero_grad(self) -> None:
@@ -166,8 +198,9 @@ class Reducer:
         for st in self.states:
             g = st.group
             (g.grad_full if g.grad_full is not None else g.grad_shard).zero_()
-            st.ready, st.dirty, st.reduced, st.handle = 0, False, False, None
+            st.ready, st.complete, st.reduced, st.handle = 0, False, False, None
             if st.bucket is not None:
                 self.pool.give(st.bucket)
                 st.bucket = None
+        self._next, self._unreduced = 0, False
         self.finalized = False

@@ -45,6 +45,7 @@ class ZeroPlugin:
         model_parallel_group: the tensor-parallel process group P_a partitions checkpoints across; with it, give
             data_parallel_group, the group ZeRO shards over (default: all ranks). Runtime objects, not in YAML.
         grad_accum_dtype: "fp32" | "compute".
+        reduce_dtype: "fp32" | "compute" | None (default: fp32 under mixed precision); see ZeroConfig.
         debug_collectives: check every collective's fingerprint across ranks (raises instead of hanging).
     """
 
@@ -57,6 +58,7 @@ class ZeroPlugin:
     activation_checkpointing: str = "off"
     cpu_checkpointing: bool = False
     grad_accum_dtype: str = "fp32"
+    reduce_dtype: Optional[str] = None
     debug_collectives: bool = False
     model_parallel_group: Optional[Any] = dataclasses.field(default=None, repr=False, compare=False)
     data_parallel_group: Optional[Any] = dataclasses.field(default=None, repr=False, compare=False)
@@ -81,7 +83,7 @@ class ZeroPlugin:
         """The engine config for this plugin under Accelerate's mixed-precision setting."""
         return ZeroConfig(
             stage=self.stage, mixed_precision=mixed_precision, grad_accum_dtype=self.grad_accum_dtype,
-            reduce_bucket_size=self.reduce_bucket_size, allgather_bucket_size=self.allgather_bucket_size,
+            reduce_dtype=self.reduce_dtype, reduce_bucket_size=self.reduce_bucket_size, allgather_bucket_size=self.allgather_bucket_size,
             prefetch=self.prefetch, offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
             debug_collectives=self.debug_collectives,
         )
