@@ -68,6 +68,31 @@ def test_formula_cli_reproduces_paper(capsys):
         assert f" {gb:.1f} " in table, table
 
 
+def test_trainable_fraction_counts_frozen_parameters_apart(capsys):
+    """Issue #11 item 4: a LoRA-style 1% trainable 7.5B model on N = 64 (paper recipe, K = 12). Frozen weights
+    hold only their 2-byte compute copy (all of it at stages 0-2, 1/N at stage 3), are never communicated at
+    stages 0-2, and are all-gathered twice per step at stage 3 like the trainable ones."""
+    from hf_zero.cli import main
+
+    psi, n = 7.5e9, 64
+    t, f = 0.01 * psi, 0.99 * psi
+    assert main(["estimate", "--params", str(psi), "--num-processes", str(n), "--optimizer-k", "12",
+                 "--trainable-fraction", "0.01", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    want = {0: 16 * t + 2 * f, 1: 4 * t + 12 * t / n + 2 * f, 2: 2 * t + 14 * t / n + 2 * f, 3: (16 * t + 2 * f) / n}
+    comm = {0: {"all_reduce": 2 * t}, 1: {"reduce_scatter": t, "all_gather": t},
+            2: {"reduce_scatter": t, "all_gather": t}, 3: {"reduce_scatter": t, "all_gather": 2 * (t + f)}}
+    assert out["psi"] == pytest.approx(t) and out["frozen"] == pytest.approx(f)
+    for stage in range(4):
+        row = out["stages"][str(stage)]
+        assert row["model_states"] == pytest.approx(want[stage], rel=1e-12), stage
+        assert row["comm_elements"] == pytest.approx(comm[stage], rel=1e-12), stage
+    assert main(["estimate", "--params", "1e9", "--num-processes", "8", "--trainable-fraction", "1.5"]) == 2
+    assert main(["estimate", "--model", "x.json", "--num-processes", "8", "--trainable-fraction", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--trainable-fraction must be in (0, 1]" in err and "plan mode counts the model's own requires_grad" in err
+
+
 def test_fits_formula_is_the_smallest_n():
     r = formula_recipe("bf16", 12, "compute")
     fits = fits_formula(7.5e9, r, 32e9)

@@ -95,7 +95,7 @@ class SystemSpec:
     build: Callable[[Any, "WorkerContext"], Trainer]
     state_stage: int  # model_state_bytes() stage
     recipe: Callable[[Settings], Any]  # -> hf_zero.tools.estimate.formulas.Recipe
-    comm_formula: Callable[[float, Settings], Dict[str, float]]  # Ψ, settings -> elements per kind per step
+    comm_formula: Callable[[float, float, Settings], Dict[str, float]]  # Ψ, Ψ_frozen, settings -> elements per kind
     hf_zero: bool = False
     note: str = ""
     # An optional peer: returns None when it can run here, else why not (the row is then "skipped").
@@ -116,16 +116,16 @@ def _hf_zero_recipe(settings: Settings):
     return recipe(settings.mixed_precision, ZeroConfig().grad_accum_dtype)
 
 
-def _paper_comm(stage: int) -> Callable[[float, Settings], Dict[str, float]]:
-    def formula(psi: float, settings: Settings) -> Dict[str, float]:
+def _paper_comm(stage: int) -> Callable[[float, float, Settings], Dict[str, float]]:
+    def formula(psi: float, frozen: float, settings: Settings) -> Dict[str, float]:
         from ..estimate.formulas import comm_elements_per_step
 
-        return comm_elements_per_step(psi, stage, settings.grad_accum)
+        return comm_elements_per_step(psi, stage, settings.grad_accum, frozen=frozen)
 
     return formula
 
 
-def _zero_redundancy_comm(psi: float, settings: Settings) -> Dict[str, float]:
+def _zero_redundancy_comm(psi: float, frozen: float, settings: Settings) -> Dict[str, float]:
     return {"all_reduce": 2 * psi, "broadcast": psi}  # DDP's all-reduce, then every shard broadcast after the step
 
 
@@ -208,6 +208,7 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
     model = causal_lm_from_config(config).to(ctx.device)
     model.train()
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)  # distinct tensors: tied weights once
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # counted apart (never reduced)
     vocab = int(config.vocab_size)
 
     gen = torch.Generator().manual_seed(s.seed * 1000 + ctx.rank)  # each rank its own slice of the data
@@ -253,7 +254,7 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
     dist.all_gather_object(everyone, mine)
 
     recipe = spec.recipe(s)
-    comm_formula = spec.comm_formula(psi, s)
+    comm_formula = spec.comm_formula(psi, frozen, s)
     comm_measured = None
     if all(r["comm"] is not None for r in everyone):
         comm_measured = max(sum(r["comm"].values()) for r in everyone)
@@ -266,11 +267,12 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
         "status": "ok",
         "hf_zero": spec.hf_zero,
         "psi": psi,
+        "psi_frozen": frozen,
         "world_size": ctx.world_size,
         "elapsed_s": elapsed_max,
         "tokens_per_s": s.tokens_per_step * s.steps / elapsed_max if elapsed_max > 0 else float("inf"),
         "state_bytes_measured": max(r["state_bytes"] for r in everyone),
-        "state_bytes_formula": model_state_bytes(psi, ctx.world_size, spec.state_stage, recipe),
+        "state_bytes_formula": model_state_bytes(psi, ctx.world_size, spec.state_stage, recipe, frozen),
         "state_formula": {"stage": spec.state_stage, "recipe": asdict(recipe)},
         "peak_bytes": max(r["peak_bytes"] for r in everyone),
         "peak_kind": "cuda_max_memory_allocated" if ctx.device.type == "cuda" else "VmHWM",

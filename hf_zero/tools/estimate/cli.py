@@ -16,7 +16,8 @@ from .plan import (GB, MAX_WORLD, STAGES, Planner, fits_formula, fits_plan, fits
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", type=float, help="formula mode: Ψ, the number of trainable parameters (e.g. 7.5e9)")
+    what.add_argument("--params", type=float, help="formula mode: Ψ, the number of parameters (e.g. 7.5e9); all "
+                                                   "trainable unless --trainable-fraction says otherwise")
     what.add_argument("--model", help="plan mode: a local config.json (or its folder); built on the meta device")
     parser.add_argument("--num-processes", type=int, default=None, help="N, the data-parallel world size")
     parser.add_argument("--stage", type=int, choices=STAGES, default=None, help="one stage (default: all four)")
@@ -26,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --model)")
     parser.add_argument("--optimizer-k", type=int, default=None,
                         help="formula mode: K, bytes of master + optimizer states per parameter (paper: 12)")
+    parser.add_argument("--trainable-fraction", type=float, default=1.0, metavar="F",
+                        help="formula mode: the trainable share of --params (LoRA: ~0.01); the rest is frozen and "
+                             "counted apart (compute copy only, never reduced)")
     parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per optimizer step")
     parser.add_argument("--fits", type=float, default=None, metavar="GB",
                         help="also print the smallest N (1..65536) for which each stage fits in GB per device")
@@ -69,14 +73,23 @@ def run(args: argparse.Namespace) -> int:
     if with_activations and (args.batch_size is None or args.seq_len is None or args.model is None):
         print("hf-zero estimate: activations need --model with both --batch-size and --seq-len", file=sys.stderr)
         return 2
+    if not 0 < args.trainable_fraction <= 1:
+        print("hf-zero estimate: --trainable-fraction must be in (0, 1]", file=sys.stderr)
+        return 2
+    if args.trainable_fraction != 1 and args.params is None:
+        print("hf-zero estimate: --trainable-fraction is for formula mode (--params); plan mode counts the model's "
+              "own requires_grad", file=sys.stderr)
+        return 2
     budget = args.fits * GB if args.fits is not None else None
     out: Dict[str, Any]
     if args.params is not None:
         r = formula_recipe(args.mixed_precision, args.optimizer_k, args.grad_accum_dtype or "compute")
-        out = formula_report(args.params, n or 1, r, args.micro_batches, stages) if n else {
-            "mode": "formula", "psi": args.params, "recipe": dataclasses.asdict(r), "stages": {}}
+        psi = args.params * args.trainable_fraction
+        frozen = args.params - psi
+        out = formula_report(psi, n or 1, r, args.micro_batches, stages, frozen) if n else {
+            "mode": "formula", "psi": psi, "frozen": frozen, "recipe": dataclasses.asdict(r), "stages": {}}
         if budget is not None:
-            out["fits"] = {"gb": args.fits, "min_world_size": fits_formula(args.params, r, budget, stages)}
+            out["fits"] = {"gb": args.fits, "min_world_size": fits_formula(psi, r, budget, stages, frozen)}
     else:
         config = ZeroConfig(mixed_precision=args.mixed_precision, grad_accum_dtype=args.grad_accum_dtype or "fp32")
         from ...integrations.hf_models import meta_model
@@ -110,7 +123,8 @@ def _render(out: Dict[str, Any], n: Optional[int]) -> str:
     lines = []
     if out["mode"] == "formula":
         r = out["recipe"]
-        lines.append(f"Formula mode: Ψ = {out['psi']:.4g} trainable parameters, " + (f"N = {n}, " if n else "") +
+        frozen = f" + {out['frozen']:.4g} frozen" if out.get("frozen") else ""
+        lines.append(f"Formula mode: Ψ = {out['psi']:.4g} trainable{frozen} parameters, " + (f"N = {n}, " if n else "") +
                      f"bytes/param: "
                      f"params {r['param']}, grads {r['grad']}, master {r['master']}, optimizer {r['optim']}")
         if out["stages"]:

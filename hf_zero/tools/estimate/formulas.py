@@ -9,6 +9,10 @@ copy (M; 0 when the parameters are the master, as in pure fp32) and optimizer st
     stage 3: (P + G + M + K_opt) Ψ / N
 
 The paper's mixed-precision Adam is P = G = 2, M + K_opt = K = 12: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N.
+
+Frozen parameters (Ψ_f: a LoRA base, a frozen tower) hold only their compute copy, P Ψ_f per rank at stages 0-2
+and P Ψ_f / N at stage 3, and are never communicated at stages 0-2; at stage 3 they are all-gathered for compute
+like the trainable ones (forward and backward) and never reduced.
 hf_zero accumulates gradients in fp32 by default (grad_accum_dtype="fp32", G = 4), which the same formula
 covers; grad_accum_dtype="compute" reproduces the paper's numbers exactly.
 """
@@ -46,16 +50,16 @@ def recipe(mixed_precision: str = "bf16", grad_accum_dtype: str = "compute", opt
 PAPER = Recipe(param=2, grad=2, master=4, optim=8)  # mixed-precision Adam, K = 12
 
 
-def model_state_bytes(psi: float, n: int, stage: int, r: Recipe = PAPER) -> float:
-    """Model-state bytes per rank for Ψ trainable elements on N ranks (no padding)."""
+def model_state_bytes(psi: float, n: int, stage: int, r: Recipe = PAPER, frozen: float = 0) -> float:
+    """Model-state bytes per rank for Ψ trainable and `frozen` frozen elements on N ranks (no padding)."""
     if stage == 0:
-        return r.total * psi
+        return r.total * psi + r.param * frozen
     if stage == 1:
-        return (r.param + r.grad) * psi + (r.master + r.optim) * psi / n
+        return (r.param + r.grad) * psi + (r.master + r.optim) * psi / n + r.param * frozen
     if stage == 2:
-        return r.param * psi + (r.grad + r.master + r.optim) * psi / n
+        return r.param * psi + (r.grad + r.master + r.optim) * psi / n + r.param * frozen
     if stage == 3:
-        return r.total * psi / n
+        return (r.total * psi + r.param * frozen) / n
     raise ValueError(f"stage must be 0-3, got {stage}")
 
 
@@ -65,11 +69,13 @@ def paper_table(psi: float, n: int, k: int = 12) -> Dict[int, float]:
     return {stage: model_state_bytes(psi, n, stage, r) for stage in range(4)}
 
 
-def comm_elements_per_step(psi: float, stage: int, micro_batches: int = 1, resident: float = 0) -> Dict[str, float]:
+def comm_elements_per_step(psi: float, stage: int, micro_batches: int = 1, resident: float = 0,
+                           frozen: float = 0) -> Dict[str, float]:
     """Elements each rank sends per optimizer step (paper counting: all-gather / reduce-scatter Ψ, all-reduce 2Ψ).
 
     `resident`: stage-3 elements that stay gathered from forward to backward (hf_zero's root unit), which are
-    all-gathered once per micro-batch instead of twice: all-gather m(2Ψ - resident).
+    all-gathered once per micro-batch instead of twice: all-gather m(2(Ψ + Ψ_f) - resident). `frozen` (Ψ_f) adds
+    to stage 3's all-gathers only: frozen weights are never reduced, and at stages 0-2 never sent at all.
     """
     m = micro_batches
     if stage == 0:
@@ -79,5 +85,5 @@ def comm_elements_per_step(psi: float, stage: int, micro_batches: int = 1, resid
     if stage == 2:
         return {"reduce_scatter": m * psi, "all_gather": psi}
     if stage == 3:
-        return {"reduce_scatter": m * psi, "all_gather": m * (2 * psi - resident)}
+        return {"reduce_scatter": m * psi, "all_gather": m * (2 * (psi + frozen) - resident)}
     raise ValueError(f"stage must be 0-3, got {stage}")

@@ -224,18 +224,19 @@ def plan_report(model: nn.Module, world_size: int, config: ZeroConfig, stages: S
 
 # ------------------------------------------------------------------------------------------------- formula mode
 def formula_report(psi: float, world_size: int, r: Recipe, micro_batches: int = 1,
-                   stages: Sequence[int] = STAGES) -> Dict[str, Any]:
+                   stages: Sequence[int] = STAGES, frozen: float = 0) -> Dict[str, Any]:
+    """The paper's table for Ψ trainable (and `frozen`) parameters on `world_size` ranks."""
     rows = {}
     for stage in stages:
-        comm = comm_elements_per_step(psi, stage, micro_batches)
+        comm = comm_elements_per_step(psi, stage, micro_batches, frozen=frozen)
         byte_of = {"all_gather": r.param, "reduce_scatter": r.grad, "all_reduce": r.grad}
         rows[stage] = {
-            "model_states": model_state_bytes(psi, world_size, stage, r),
+            "model_states": model_state_bytes(psi, world_size, stage, r, frozen),
             "comm_elements": comm,
             "comm_bytes": {k: v * byte_of[k] for k, v in comm.items()},
         }
-    return {"mode": "formula", "psi": psi, "world_size": world_size, "recipe": dataclasses.asdict(r),
-            "stages": rows}
+    return {"mode": "formula", "psi": psi, "frozen": frozen, "world_size": world_size,
+            "recipe": dataclasses.asdict(r), "stages": rows}
 
 
 def formula_recipe(mixed_precision: str, optimizer_k: Optional[int], grad_accum_dtype: str) -> Recipe:
@@ -262,8 +263,9 @@ def _smallest_n(fits) -> Optional[int]:
     return lo
 
 
-def fits_formula(psi: float, r: Recipe, budget_bytes: float, stages: Sequence[int] = STAGES) -> Dict[int, Optional[int]]:
-    return {s: _smallest_n(lambda n, s=s: model_state_bytes(psi, n, s, r) <= budget_bytes) for s in stages}
+def fits_formula(psi: float, r: Recipe, budget_bytes: float, stages: Sequence[int] = STAGES,
+                 frozen: float = 0) -> Dict[int, Optional[int]]:
+    return {s: _smallest_n(lambda n, s=s: model_state_bytes(psi, n, s, r, frozen) <= budget_bytes) for s in stages}
 
 
 def fits_plan(model: nn.Module, config: ZeroConfig, budget_bytes: float, stages: Sequence[int] = STAGES,
