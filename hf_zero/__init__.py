@@ -1,9 +1,11 @@
 """hf_zero: the Zero Redundancy Optimizer (stages 1-3 and ZeRO-R) on torch.distributed, for Hugging Face."""
 from .config import ZeroConfig, ZeroConfigError
-from .engine import ZeroEngine, ZeroOptimizer, shard_model
+from .engine import (ParameterNotGatheredError, PretrainedWeights, WeightsError, ZeroEngine, ZeroOptimizer,
+                     parameters_on_meta, shard_model)
 
 __all__ = ["ZeroConfig", "ZeroConfigError", "ZeroEngine", "ZeroOptimizer", "shard_model", "HfZeroAccelerator", "ZeroPlugin",
-           "ZeroTrainer", "ZeroTrainingArguments"]
+           "ZeroTrainer", "ZeroTrainingArguments", "from_pretrained", "parameters_on_meta", "PretrainedWeights",
+           "WeightsError", "ParameterNotGatheredError"]
 __version__ = "0.1.0"
 
 
@@ -17,6 +19,10 @@ def __getattr__(name: str):
         from .integrations.plugin import ZeroPlugin
 
         return ZeroPlugin
+    if name == "from_pretrained":
+        from .integrations.pretrained import from_pretrained
+
+        return from_pretrained
     if name in ("ZeroTrainer", "ZeroTrainingArguments"):
         from .integrations import trainer
 

@@ -8,9 +8,12 @@ from .activations import checkpoint_function, enable_activation_checkpointing, z
 from .comm import CollectiveMismatchError, Comm
 from .engine import ZeroEngine, shard_model
 from .optimizer import ZeroOptimizer, check_elementwise
+from .partitioned import ParameterNotGatheredError, PartitionedParameter
 from .planning import ShardPlan, find_unit_modules, plan_model
 from .scaler import LossScaler
+from .weights import PretrainedWeights, WeightSource, WeightsError, parameters_on_meta
 
-__all__ = ["CollectiveMismatchError", "Comm", "LossScaler", "ShardPlan", "ZeroEngine", "ZeroOptimizer",
+__all__ = ["CollectiveMismatchError", "Comm", "LossScaler", "ParameterNotGatheredError", "PartitionedParameter",
+           "PretrainedWeights", "ShardPlan", "WeightSource", "WeightsError", "ZeroEngine", "ZeroOptimizer",
            "check_elementwise", "checkpoint_function", "enable_activation_checkpointing", "find_unit_modules",
-           "plan_model", "shard_model", "zero_checkpoint"]
+           "parameters_on_meta", "plan_model", "shard_model", "zero_checkpoint"]

@@ -71,21 +71,24 @@ class FlatGroup:
 
     def __init__(self, plan: GroupPlan, params: List[nn.Parameter], stage: int, rank: int,
                  device: torch.device, master_dtype: Optional[torch.dtype], master_device: torch.device,
-                 accum_dtype: torch.dtype, full_values: torch.Tensor, shard_device: torch.device,
-                 offload_master: bool = False) -> None:
+                 accum_dtype: torch.dtype, values: torch.Tensor, shard_device: torch.device,
+                 offload_master: bool = False, values_lo: int = 0) -> None:
         self.plan, self.params, self.stage, self.rank = plan, params, stage, rank
         self.device = device
         self.lo, self.hi = plan.owned_range(rank)
         self.gathered = stage < 3
+        # `values`: the initial flat values from element `values_lo` on (the whole padded buffer, or at stage 3
+        # possibly just the owned range, when the weights were read straight into shards)
+        owned = values[self.lo - values_lo:self.hi - values_lo]
         if stage < 3:
-            self.full = full_values.to(device=device, dtype=plan.dtype)
+            assert values_lo == 0 and values.numel() == plan.padded_numel, "stages 0-2 need the full buffer"
+            self.full = values.to(device=device, dtype=plan.dtype)
             self.shard = self.full[self.lo:self.hi]
         else:
             # Stage 3: `full` keeps one storage for the group's whole life; it is resized to zero bytes when the
             # unit is released and back when it is gathered. Parameters and any views autograd saved of them
             # (F.linear saves weight.t()) therefore see the re-gathered values in the backward.
-            self.shard = _host_pinned(full_values[self.lo:self.hi].to(device=shard_device, dtype=plan.dtype).clone(),
-                                      device)
+            self.shard = _host_pinned(owned.to(device=shard_device, dtype=plan.dtype).clone(), device)
             self.full = torch.empty(plan.padded_numel, dtype=plan.dtype, device=device)
         self.point_params(self.full)
         if stage == 3:
@@ -100,7 +103,7 @@ class FlatGroup:
                 self.master = self.shard
             else:  # ZeRO-Offload keeps its own host copy, the step's input and output (pinned for async copies)
                 self.master = _host_pinned(
-                    full_values[self.lo:self.hi].to(device=master_device, dtype=master_dtype).clone(), device)
+                    owned.to(device=master_device, dtype=master_dtype).clone(), device)
             if stage < 2:
                 self.grad_full = torch.zeros(plan.padded_numel, dtype=accum_dtype, device=device)
                 self.grad_shard = self.grad_full[self.lo:self.hi]

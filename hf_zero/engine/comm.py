@@ -186,6 +186,16 @@ class Comm:
         self._record("control" if control else "all_reduce", 2 * tensor.numel(), tensor.element_size())
         return Handle(dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op), on_done)
 
+    def agree(self, error: Optional[str], tag: str = "") -> Optional[str]:
+        """Collective: every rank's error (or None); returns "rank r: error" for the first rank that had one, so
+        that a failure one rank found is raised on all of them instead of leaving the others to hang."""
+        if not self.distributed or self.world_size == 1:
+            return None if error is None else f"rank 0: {error}"
+        self._check("all_gather_object", tag, 1)
+        errors: List[Optional[str]] = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=self.group)
+        return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, tag: str = "") -> None:
         """Copy rank `src`'s tensor to every rank (used once at start so all ranks begin equal)."""
         if not self.distributed or self.world_size == 1:

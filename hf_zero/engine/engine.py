@@ -22,20 +22,25 @@ from ..config import ZeroConfig
 from .buffers import BufferPool, FlatGroup
 from .comm import Comm
 from .gatherer import GatheredBytes, Gatherer, Unit
+from .loading import ShardLoader, Weights, resolve_weights
 from .optimizer import ZeroOptimizer, check_elementwise
 from .planning import ShardPlan, find_unit_modules, plan_model
 from .reducer import Reducer
 from .scaler import LossScaler
+from .weights import WeightsError
 
 logger = logging.getLogger("hf_zero")
 
 
-def _default_device(model: nn.Module, group: Optional[dist.ProcessGroup]) -> torch.device:
+def _default_device(model: nn.Module, group: Optional[dist.ProcessGroup], loading: bool) -> torch.device:
     if dist.is_initialized() and torch.cuda.is_available() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     for p in model.parameters():
         if p.device.type == "meta":
-            raise ValueError("the model is on the meta device: materialise its weights before shard_model()")
+            if loading:
+                return torch.device("cpu")
+            raise ValueError("the model is on the meta device and shard_model() got no weights: pass "
+                             "weights='folder_or_file.safetensors', or build it with hf_zero.from_pretrained")
         return p.device
     return torch.device("cpu")
 
@@ -44,18 +49,23 @@ class ZeroEngine:
     """A model and optimizer sharded with ZeRO. Build it with `shard_model`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Optional[ZeroConfig] = None,
-                 process_group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None) -> None:
+                 process_group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None,
+                 weights: Weights = None) -> None:
         self.config = config = config if config is not None else ZeroConfig()
         self.model = model
         self.comm = Comm(process_group, debug=config.debug_collectives)
-        self.device = torch.device(device) if device is not None else _default_device(model, process_group)
+        record = resolve_weights(weights, model)
+        self.device = (torch.device(device) if device is not None
+                       else _default_device(model, process_group, record is not None))
         if self.device.type == "cpu":
             self.device = torch.device("cpu")  # Accelerate says "cpu:0"; CPU tensors report "cpu"
         self._check_optimizer(model, optimizer)
         self.plan: ShardPlan = plan_model(model, self.comm.world_size, config)
         self.pool = BufferPool()
-        self._move_buffers()
-        self.groups = self._build_groups()
+        self.groups = self._load(record) if record is not None else None
+        if self.groups is None:
+            self._move_buffers()
+            self.groups = self._build_groups()
         self.reducer = Reducer(
             self.groups, config.stage, self.comm, self.pool, max_inflight_bytes=4 * config.reduce_bucket_size,
             reduce_dtype=config.reduce_torch_dtype, on_launch=self._on_group_launched, on_backward_end=self._on_backward_end,
@@ -118,7 +128,28 @@ class ZeroEngine:
         for name, buf in self.model.named_buffers():
             self.comm.broadcast(buf.data if buf.is_floating_point() or buf.numel() else buf, tag=f"buffer {name}")
 
-    def _build_groups(self) -> List[FlatGroup]:
+    def _load(self, record) -> List[FlatGroup]:
+        """The weights files, read straight into this rank's shards (engine/loading.py); a failure on any rank is
+        raised on every rank."""
+        error, groups = None, []
+        try:
+            loader = ShardLoader(self.model, self.plan, record)
+            loader.load_buffers()
+        except (WeightsError, OSError) as exc:
+            error, loader = f"{type(exc).__name__}: {exc}", None
+        if loader is not None:
+            try:
+                groups = self._build_groups(loader)
+            except (WeightsError, OSError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        failed = self.comm.agree(error, "weights loaded")
+        if failed is not None:
+            raise WeightsError(f"hf_zero: loading {record.path} failed on {failed}")
+        self._move_buffers()
+        loader.finish(self.comm.rank)
+        return groups
+
+    def _build_groups(self, loader: Optional[ShardLoader] = None) -> List[FlatGroup]:
         cfg, rank = self.config, self.comm.rank
         params = dict(self.model.named_parameters())
         master_device = torch.device("cpu") if cfg.offload_optimizer == "cpu" else self.device
@@ -130,15 +161,21 @@ class ZeroEngine:
             # the un-rounded weights), in the compute dtype for frozen ones.
             master_dtype = (torch.float32 if cfg.compute_dtype is not None else gp.dtype) if gp.trainable else None
             value_dtype = master_dtype or gp.dtype
-            full = torch.zeros(gp.padded_numel, dtype=value_dtype, device=self.device)
-            for p, s in zip(members, gp.slots):
-                full[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
-            self.comm.broadcast(full, tag=f"initial values of group {gp.index}")  # every rank starts equal
+            lo, hi = gp.owned_range(rank) if cfg.stage == 3 else (0, gp.padded_numel)
+            if loader is not None:  # from the files: the owned range only at stage 3, one group at a time
+                full = loader.values(gp, value_dtype, lo, hi).to(self.device)
+                loader.materialise(members, gp.dtype, self.device)
+            else:
+                lo, full = 0, torch.zeros(gp.padded_numel, dtype=value_dtype, device=self.device)
+                for p, s in zip(members, gp.slots):
+                    full[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
+                self.comm.broadcast(full, tag=f"initial values of group {gp.index}")  # every rank starts equal
             # fp32 accumulation lifts low-precision gradients; fp32/fp64 parameters accumulate in their own dtype
             low = gp.dtype.is_floating_point and torch.finfo(gp.dtype).bits < 32
             accum = torch.float32 if (cfg.grad_accum_dtype == "fp32" and low) else gp.dtype
             groups.append(FlatGroup(gp, members, cfg.stage, rank, self.device, master_dtype, master_device, accum,
-                                    full, shard_device, offload_master=cfg.offload_optimizer == "cpu"))
+                                    full, shard_device, offload_master=cfg.offload_optimizer == "cpu",
+                                    values_lo=lo))
             del full
         return groups
 
@@ -293,11 +330,16 @@ class ZeroEngine:
 
 def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, config: Optional[ZeroConfig] = None,
                 process_group: Optional[dist.ProcessGroup] = None,
-                device: Optional[torch.device] = None) -> ZeroEngine:
+                device: Optional[torch.device] = None, weights: Weights = None) -> ZeroEngine:
     """Shard `model` (in place) and `optimizer` with ZeRO over `process_group` (default: the world).
 
     The model keeps its class and module tree (hooks are added; parameters become views of flat buffers, or
     empty between uses at stage 3). Use the returned engine's `optimizer` instead of the one passed in.
+
+    `weights`: a safetensors file or a folder save_pretrained wrote (single file or sharded with an index), for a
+    model whose parameters are on the meta device (`hf_zero.from_pretrained`, or built inside
+    `hf_zero.parameters_on_meta()`): each rank reads only its own shards (stage 3) or one group at a time
+    (stages 0-2). A model from `hf_zero.from_pretrained` carries its weights and needs no argument.
     """
     check_elementwise(optimizer, (config or ZeroConfig()).optimizer_is_elementwise)
-    return ZeroEngine(model, optimizer, config, process_group, device)
+    return ZeroEngine(model, optimizer, config, process_group, device, weights)

@@ -48,6 +48,13 @@ class ZeroTrainer(Trainer):
         finally:
             hf_trainer.Accelerator = original
 
+    def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
+        """A model from hf_zero.from_pretrained has its parameters on the meta device until prepare() reads its
+        shards: moving it is prepare's job. Other models move as the Trainer moves them."""
+        if any(p.is_meta for p in model.parameters()):
+            return None
+        return super()._move_model_to_device(model, device)
+
     @property
     def zero_engine(self):
         """The engine behind the sharded model (after training started)."""

@@ -1,0 +1,146 @@
+"""shard_model(..., weights=...): materialise a meta-built model straight into this rank's shards.
+
+Each flat group's initial values are read from the weights files, not copied from the module: at stage 3 only
+the rank's owned range [lo, hi) of the group (the slices of each parameter that fall in it), at stages 0-2 the
+whole group, one group at a time. The meta parameters are then swapped (`torch.utils.swap_tensors`: the same
+Python objects, so the optimizer built on them and tied weights stay intact) for real ones that the flat group
+points into. Keys the files lack are initialised the way `from_pretrained` does (the model's `_init_weights` on
+a host copy of the owning module, seeded by the parameter's name, so every rank draws the same values) and
+reported once; unexpected keys, shapes that differ and a config of another architecture are errors.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+import zlib
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from .planning import GroupPlan, ShardPlan, Slot
+from .weights import PretrainedWeights, WeightSource, WeightsError
+
+logger = logging.getLogger("hf_zero")
+
+Weights = Union[None, str, os.PathLike, PretrainedWeights]
+
+
+def resolve_weights(weights: Weights, model: nn.Module) -> Optional[PretrainedWeights]:
+    """The weights to load: the argument, else what `hf_zero.from_pretrained` attached to the model."""
+    if weights is None:
+        return getattr(model, "hf_zero_weights", None)
+    return weights if isinstance(weights, PretrainedWeights) else PretrainedWeights(weights)
+
+
+def _persistent_buffers(model: nn.Module) -> Dict[str, Tuple[nn.Module, str]]:
+    out = {}
+    for mname, module in model.named_modules():
+        for bname, buf in module._buffers.items():
+            if buf is not None and bname not in module._non_persistent_buffers_set:
+                out[f"{mname}.{bname}" if mname else bname] = (module, bname)
+    return out
+
+
+class ShardLoader:
+    """Reads one flat group's initial values at a time from a WeightSource (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, plan: ShardPlan, record: PretrainedWeights) -> None:
+        self.model, self.plan, self.record = model, plan, record
+        self.source = WeightSource(record.path)
+        self.keys = keys = set(self.source.keys())
+        config = getattr(model, "config", None)
+        theirs, ours = self.source.config_model_type(), getattr(config, "model_type", None)
+        if theirs and ours and theirs != ours:
+            raise WeightsError(f"{record.path} holds a {theirs!r} model (its config.json) but the model is "
+                               f"{type(model).__name__} ({ours!r}): load the folder saved from this architecture")
+        self.key_of: Dict[str, Optional[str]] = {}  # slot name -> the key in the files (any of its aliases)
+        for g in plan.groups:
+            for s in g.slots:
+                self.key_of[s.name] = next((a for a in s.aliases if a in keys), None)
+        self.buffers = _persistent_buffers(model)
+        known = {a for g in plan.groups for s in g.slots for a in s.aliases} | set(self.buffers)
+        ignored = [re.compile(p) for p in record.ignore_unexpected]
+        unexpected = sorted(k for k in keys - known if not any(p.search(k) for p in ignored))
+        if unexpected:
+            raise WeightsError(f"{record.path} holds {len(unexpected)} key(s) that {type(model).__name__} does not "
+                               f"have, e.g. {unexpected[:5]}: these weights come from another model (or another "
+                               f"version of it)")
+        if not any(self.key_of.values()):
+            raise WeightsError(f"{record.path} holds none of {type(model).__name__}'s parameters (e.g. "
+                               f"{next(iter(self.key_of))!r}): these weights come from another model")
+        self.missing = sorted(name for name, key in self.key_of.items() if key is None)
+        self._initialised: Dict[str, torch.Tensor] = {}
+
+    # ---------------------------------------------------------------- buffers
+    def load_buffers(self) -> None:
+        """Persistent buffers come from the files when they hold them; a buffer still on the meta device is an
+        error (it was built with the parameters under torch.device('meta'))."""
+        for name, (module, bname) in self.buffers.items():
+            buf = module._buffers[bname]
+            if name in self.keys:
+                e = self.source.entry(name)
+                module._buffers[bname] = self.source.read(name).view(e.shape).to(buf.dtype)
+        for mname, module in self.model.named_modules():
+            for bname, buf in module._buffers.items():
+                if buf is not None and buf.device.type == "meta":
+                    full = f"{mname}.{bname}" if mname else bname
+                    raise WeightsError(f"buffer {full} is on the meta device and the weights do not hold it: build "
+                                       f"the model inside hf_zero.parameters_on_meta() (parameters on meta, buffers "
+                                       f"computed) or with hf_zero.from_pretrained")
+
+    # ---------------------------------------------------------------- parameters
+    def values(self, group: GroupPlan, dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of the group's flat buffer (zeros in the padding), in `dtype`."""
+        out = torch.zeros(hi - lo, dtype=dtype)
+        for s in group.slots:
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a >= b:
+                continue
+            key = self.key_of[s.name]
+            if key is None:
+                out[a - lo:b - lo].copy_(self._initial(s)[a - s.offset:b - s.offset])
+                continue
+            e = self.source.entry(key)
+            if tuple(e.shape) != tuple(s.shape):
+                raise WeightsError(f"{key}: shape {tuple(e.shape)} in {e.file.name} but {tuple(s.shape)} in the "
+                                   f"model: these weights come from another configuration of it")
+            out[a - lo:b - lo].copy_(self.source.read(key, a - s.offset, b - s.offset))
+        return out
+
+    def _initial(self, slot: Slot) -> torch.Tensor:
+        """A parameter the files lack, initialised as from_pretrained would, the same on every rank."""
+        if slot.name not in self._initialised:
+            mname, _, pname = slot.name.rpartition(".")
+            module = self.model.get_submodule(mname) if mname else self.model
+            host = copy.deepcopy(module).to_empty(device="cpu", recurse=False)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(zlib.crc32(slot.name.encode()))
+                if self.record.init_module is not None:
+                    self.record.init_module(host)
+                elif hasattr(host, "reset_parameters"):
+                    host.reset_parameters()
+                else:
+                    raise WeightsError(f"{slot.name} is not in {self.record.path} and {type(module).__name__} has "
+                                       f"no reset_parameters(): give shard_model a PretrainedWeights(init_module=...)")
+            self._initialised[slot.name] = getattr(host, pname).detach().reshape(-1).clone()
+        return self._initialised[slot.name]
+
+    @staticmethod
+    def materialise(params: List[nn.Parameter], dtype: torch.dtype, device: torch.device) -> None:
+        """Swap each meta parameter's contents for an empty real tensor (same object, same requires_grad)."""
+        for p in params:
+            if p.device.type == "meta":
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
+                                                         requires_grad=p.requires_grad))
+
+    def finish(self, rank: int) -> None:
+        if self.missing and rank == 0:
+            logger.warning("hf_zero: some weights of %s were not initialized from %s and are newly initialized: %s",
+                           type(self.model).__name__, self.record.path, self.missing)
+        if rank == 0:
+            logger.info("hf_zero: read %.1f MiB of weights from %d file(s) on rank 0", self.source.bytes_read / 2**20,
+                        len(self.source.files_opened))
+        self.source.close()

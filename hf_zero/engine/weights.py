@@ -1,0 +1,200 @@
+"""Pretrained weights read straight into shards: each rank reads only the byte ranges it owns.
+
+A `.safetensors` file is an 8-byte header length, a JSON header (each tensor's dtype, shape and byte range) and
+the tensors' bytes, row-major. A flat element range [a, b) of a tensor is therefore one contiguous byte range,
+read with one `os.pread`: no memory map, no whole-tensor read, no file a rank does not need is opened. A folder
+with `model.safetensors.index.json` maps each key to its file (Hugging Face's sharded layout).
+
+`WeightSource` is what `shard_model(..., weights=...)` reads from; `parameters_on_meta()` builds a module whose
+parameters take no memory while its buffers (rotary `inv_freq`, ...) are computed as usual.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
+
+import torch
+from torch import nn
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+class WeightsError(ValueError):
+    """Pretrained weights that do not fit the model (missing file, unexpected key, shape), named in the message."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    file: Path
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    begin: int  # absolute byte offset of the tensor's data in the file
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class WeightSource:
+    """The tensors of a safetensors file, or of a folder (single file or sharded with an index).
+
+    `read(key, a, b)` returns elements [a, b) of the flattened tensor in the file's dtype. `bytes_read` and
+    `files_opened` say what was read.
+    """
+
+    def __init__(self, path: Union[str, os.PathLike]) -> None:
+        path = Path(os.path.expanduser(str(path)))
+        self.path = path
+        if path.is_dir():
+            index = path / INDEX
+            if index.is_file():
+                try:
+                    weight_map = json.loads(index.read_text())["weight_map"]
+                except (ValueError, KeyError) as exc:
+                    raise WeightsError(f"{index} is not a safetensors index (no weight_map): {exc}") from None
+                self._file_of = {k: path / f for k, f in weight_map.items()}
+            elif (path / SINGLE).is_file():
+                self._file_of = None
+                self._single = path / SINGLE
+            else:
+                raise FileNotFoundError(f"{path} holds neither {SINGLE} nor {INDEX}: give the folder "
+                                        f"save_pretrained wrote, or a .safetensors file")
+        elif path.is_file():
+            self._file_of, self._single = None, path
+        else:
+            raise FileNotFoundError(f"{path}: no such weights file or folder")
+        self._headers: Dict[Path, Dict[str, TensorEntry]] = {}
+        self._fds: Dict[Path, int] = {}
+        self.bytes_read = 0
+        self.files_opened: Set[Path] = set()
+
+    # ---------------------------------------------------------------- index
+    def keys(self) -> List[str]:
+        if self._file_of is not None:
+            return list(self._file_of)
+        return list(self._header(self._single))
+
+    def entry(self, key: str) -> TensorEntry:
+        file = self._file_of.get(key) if self._file_of is not None else self._single
+        if file is None:
+            raise KeyError(key)
+        header = self._header(file)
+        if key not in header:
+            raise WeightsError(f"{file} does not hold {key!r}, which {INDEX} places there: the folder is "
+                               f"incomplete or the index is stale")
+        return header[key]
+
+    def _header(self, file: Path) -> Dict[str, TensorEntry]:
+        if file not in self._headers:
+            if not file.is_file():
+                raise FileNotFoundError(f"{file} is missing: {INDEX} in {self.path} lists it; copy the whole "
+                                        f"folder save_pretrained wrote")
+            with open(file, "rb") as f:
+                raw = f.read(8)
+                if len(raw) != 8:
+                    raise WeightsError(f"{file} is not a safetensors file (shorter than its header)")
+                (n,) = struct.unpack("<Q", raw)
+                try:
+                    header = json.loads(f.read(n))
+                except ValueError:
+                    raise WeightsError(f"{file} is not a safetensors file (its header is not JSON)") from None
+            base = 8 + n
+            entries = {}
+            for key, info in header.items():
+                if key == "__metadata__":
+                    continue
+                if info["dtype"] not in _DTYPES:
+                    raise WeightsError(f"{file}: tensor {key!r} has dtype {info['dtype']}, which hf_zero cannot read")
+                entries[key] = TensorEntry(file, _DTYPES[info["dtype"]], tuple(info["shape"]),
+                                           base + int(info["data_offsets"][0]))
+            self._headers[file] = entries
+        return self._headers[file]
+
+    # ---------------------------------------------------------------- data
+    def read(self, key: str, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """Elements [start, end) of the flattened tensor `key`, in the file's dtype (one pread of those bytes)."""
+        e = self.entry(key)
+        end = e.numel if end is None else end
+        if not 0 <= start <= end <= e.numel:
+            raise ValueError(f"{key}: range [{start}, {end}) outside its {e.numel} elements")
+        size = torch.empty((), dtype=e.dtype).element_size()
+        out = torch.empty(end - start, dtype=e.dtype)
+        if end == start:
+            return out
+        fd = self._fds.get(e.file)
+        if fd is None:
+            fd = self._fds[e.file] = os.open(e.file, os.O_RDONLY)
+            self.files_opened.add(e.file)
+        want = (end - start) * size
+        view = memoryview(out.view(torch.uint8).numpy())
+        got = 0
+        while got < want:  # pread may return less than asked for
+            n = os.preadv(fd, [view[got:]], e.begin + start * size + got)
+            if n <= 0:
+                raise WeightsError(f"{e.file} ends inside tensor {key!r}: the file is truncated")
+            got += n
+        self.bytes_read += want
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def config_model_type(self) -> Optional[str]:
+        """`model_type` of the config.json beside the weights, if there is one."""
+        folder = self.path if self.path.is_dir() else self.path.parent
+        cfg = folder / "config.json"
+        if not cfg.is_file():
+            return None
+        try:
+            return json.loads(cfg.read_text()).get("model_type")
+        except ValueError:
+            return None
+
+
+@dataclass
+class PretrainedWeights:
+    """Where a meta-built model's weights are, and how to initialise what the files lack (set by from_pretrained).
+
+    `init_module(module)` initialises a module's parameters in place (Transformers: the model's `_init_weights`);
+    `ignore_unexpected`: key patterns the files may hold that the model does not (Transformers'
+    `_keys_to_ignore_on_load_unexpected`)."""
+
+    path: Union[str, os.PathLike]
+    init_module: Optional[Callable[[nn.Module], None]] = None
+    ignore_unexpected: Tuple[str, ...] = ()
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Build modules inside this block with their parameters on the meta device (no memory, no init cost later)
+    and their buffers computed as usual on the host (rotary `inv_freq` and other non-persistent buffers)."""
+    register = nn.Module.register_parameter
+
+    def to_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        register(module, name, param)
+        p = module._parameters.get(name)
+        if p is not None and p.device.type != "meta":
+            kwargs = dict(p.__dict__)
+            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+            module._parameters[name].__dict__.update(kwargs)
+
+    nn.Module.register_parameter = to_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
