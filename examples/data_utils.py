@@ -163,6 +163,23 @@ def tiny_llama_config(tokenizer, block_size: int):
     )
 
 
+def tiny_model_dir(accelerator, cache_dir: Path, config, seed: int) -> Path:
+    """The --tiny model, initialised from `config` with `seed` and saved once with save_pretrained, so that it is
+    loaded exactly like a real checkpoint (hf_zero.from_pretrained, each rank reading its shards)."""
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.random.fork_rng(devices=[]):  # the run's own random stream (data order) must not depend on it
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(out, max_shard_size="2MB")
+
+    key = hashlib.sha256((config.to_json_string() + str(seed)).encode()).hexdigest()[:16]
+    return on_main_then_all(accelerator, cache_dir / f"tiny-llama-{key}", "config.json", build, "the tiny model")
+
+
 # ------------------------------------------------------------------------------------------------ datasets
 def resolve_dataset(spec: str) -> Tuple[str, Dict[str, List[str]]]:
     """(builder, data_files) for a local file or folder; ("hub", {}) for anything that is not a local path."""

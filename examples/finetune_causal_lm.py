@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
+import hf_zero
 from hf_zero import HfZeroAccelerator as Accelerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -197,10 +198,45 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+def _status_bytes(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_bytes() -> int:
+    """This process's peak RSS (VmHWM; since the last reset_peak_rss())."""
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def reset_peak_rss() -> int:
+    """Reset the peak RSS to the current RSS (Linux: clear_refs 5) and return it, so that the next
+    peak_rss_bytes() is the peak of what follows; where that cannot be done, the peak so far stays."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status_bytes("VmRSS") or 0
+
+
+def gather_objects(obj):
+    """Every rank's `obj`, in rank order (a one-element list without a process group)."""
+    if not torch.distributed.is_initialized():
+        return [obj]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
 
 
 def safe_exp(x: float) -> float:
@@ -235,7 +271,10 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         tok_dir = data_utils.tiny_tokenizer_dir(accelerator, cache_dir, raw, args.text_column)
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
         config = data_utils.tiny_llama_config(tokenizer, args.block_size)
-        model = AutoModelForCausalLM.from_config(config)  # same seed on every rank (and rank 0's values win anyway)
+        # saved once, then loaded like a real checkpoint: each rank reads only its shards (stage 3)
+        model = hf_zero.from_pretrained(AutoModelForCausalLM,
+                                        data_utils.tiny_model_dir(accelerator, cache_dir, config, args.seed),
+                                        torch_dtype=torch.float32)
         model_name = f"tiny Llama ({config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab " \
                      f"{config.vocab_size})"
     else:
@@ -246,7 +285,11 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
             # fp32 weights: the engine keeps fp32 masters and, with --mixed_precision bf16/fp16, its own compute copy.
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+            # A local folder is read straight into shards by prepare() (no rank holds the whole model at stage 3).
+            if Path(source).expanduser().is_dir():
+                model = hf_zero.from_pretrained(AutoModelForCausalLM, source, torch_dtype=torch.float32)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         except (OSError, ValueError) as exc:
             raise InputError(f"--model_name_or_path {source!r}: could not load a causal LM and its tokenizer "
                              f"({type(exc).__name__}: {exc})") from exc
@@ -275,8 +318,12 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     # Accelerate steps a prepared scheduler once per process per optimizer step: scale the schedule accordingly.
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps * accelerator.num_processes,
                                                 args.max_steps * accelerator.num_processes)
+    rss_before = reset_peak_rss()
+    t_load = time.perf_counter()
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
+    load = {"seconds": time.perf_counter() - t_load, "rss_before": rss_before, "peak_rss": peak_rss_bytes()}
+    load_per_rank = gather_objects(load)
     engine = accelerator.zero_engine
     stage = engine.config.stage
     accelerator.print(
@@ -400,6 +447,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
             "seconds_per_step": steps_s, "tokens_per_second": tokens_per_step * completed / max(train_time, 1e-9),
             "eval_seconds": eval_seconds, "total_seconds": time.perf_counter() - t_start,
             "peak_rss_bytes_main_process": peak_rss_bytes(),
+            "load_per_rank": load_per_rank,
             "losses": [h["loss"] for h in history], "history": history, "evals": evals,
             "final_eval_loss": final["eval_loss"], "final_perplexity": final["perplexity"],
             "memory_bytes_per_rank": memory,
@@ -442,6 +490,11 @@ def print_summary(s: Dict, args: argparse.Namespace) -> None:
                  f"{human_bytes(s['peak_rss_bytes_main_process'])}")
     kinds = ", ".join(f"{k} {human_count(v['elements'] / max(1, s['steps']))}" for k, v in s["comm_train"].items()
                       if k != "total" and v.get("elements"))
+    loads = s["load_per_rank"]
+    lines.append("loaded into shards in {:.1f} s; peak host RSS per rank during load: {} (above the RSS before "
+                 "load: {})".format(max(x["seconds"] for x in loads),
+                                   ", ".join(human_bytes(x["peak_rss"]) for x in loads),
+                                   ", ".join(human_bytes(x["peak_rss"] - x["rss_before"]) for x in loads)))
     lines.append(f"communicated per training step: {human_count(s['comm_elements_per_step'])} elements = "
                  f"{s['comm_elements_per_step_over_params']:.2f} x params ({kinds or 'none'})")
     lines.append(f"saved to {s['saved_to']}; reloaded with from_pretrained: weights equal the trained state dict: "

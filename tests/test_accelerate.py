@@ -245,3 +245,28 @@ def test_groups_from_the_device_mesh_tensor_parallel(tmp_path):
         assert set(got) == set(ref_state)
         for k, v in ref_state.items():
             torch.testing.assert_close(got[k], T.tp_slice(k, v, t), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ loading into shards
+def _saved_trainer_model(folder):
+    """The model tests/scripts/trainer_train.py builds, written by save_pretrained into several files."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=101, n_embd=32, n_layer=2, n_head=2, n_positions=32,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder, max_shard_size="40KB")
+    return folder
+
+
+def test_zero_trainer_trains_a_model_loaded_into_shards_like_the_trainer(tmp_path):
+    """Issue #12: ZeroTrainer on hf_zero.from_pretrained (parameters on meta until prepare reads each rank's
+    shards) equals the stock Trainer on Transformers' from_pretrained of the same folder."""
+    folder = _saved_trainer_model(tmp_path / "pretrained")
+    assert len([f for f in os.listdir(folder) if f.endswith(".safetensors")]) > 1
+    ref, out = tmp_path / "ddp", tmp_path / "zero"
+    accelerate_launch("trainer_train.py", 2, "--backend", "ddp", "--out", str(ref), "--from-folder", str(folder))
+    accelerate_launch("trainer_train.py", 2, "--backend", "zero", "--stage", "3", "--out", str(out),
+                      "--from-folder", str(folder))
+    assert_close_runs(out, ref)
+    assert_same_weights(out / "final" / "model.safetensors", ref / "final" / "model.safetensors")

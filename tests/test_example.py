@@ -92,6 +92,9 @@ def test_finetune_tiny_stage3(stage3_run):
     # Stage 3, pure fp32 Adam on 2 ranks: 16 bytes per parameter / 2 (paper: 16Ψ/N).
     assert s["model_state_bytes_per_param"] == pytest.approx(8.0, rel=0.02)
     assert s["comm_elements_per_step"] > 0
+    # loaded with hf_zero.from_pretrained: every rank measured its load (peak RSS since just before prepare)
+    loads = s["load_per_rank"]
+    assert len(loads) == 2 and all(x["peak_rss"] >= x["rss_before"] > 0 and x["seconds"] > 0 for x in loads), loads
 
     # The saved folder is a normal HF checkpoint whose weights are exactly the state dict the script reported.
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)

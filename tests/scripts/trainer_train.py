@@ -16,12 +16,20 @@ p.add_argument("--out", required=True)
 p.add_argument("--max-steps", type=int, default=4)
 p.add_argument("--resume", default=None)
 p.add_argument("--push", default=None, help="hub_model_id: push_to_hub() at the end")
+p.add_argument("--from-folder", default=None, help="load the model from this save_pretrained folder: the stock "
+               "from_pretrained (ddp) or hf_zero.from_pretrained, read into shards (zero)")
 args = p.parse_args()
 
 torch.manual_seed(0)
 cfg = GPT2Config(vocab_size=101, n_embd=32, n_layer=2, n_head=2, n_positions=32,
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 model = AutoModelForCausalLM.from_config(cfg)
+if args.from_folder and args.backend == "zero":
+    import hf_zero
+
+    model = hf_zero.from_pretrained(AutoModelForCausalLM, args.from_folder, torch_dtype=torch.float32)
+elif args.from_folder:
+    model = AutoModelForCausalLM.from_pretrained(args.from_folder, dtype=torch.float32)
 g = torch.Generator().manual_seed(1)
 ids = torch.randint(0, 101, (64, 16), generator=g)
 ds = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
