@@ -188,6 +188,7 @@ def scenarios_for(world_size: int):
         variants = _variant_folders()
         sc += [("missing-key", sc_missing_key, dict(folder=variants["missing"])),
                ("bad-shape", sc_bad_shape, dict(folder=variants["bad_shape"]))]
+        sc += [(f"peft-s{s}", sc_peft_on_meta, dict(folder=saved_folder("llama"), stage=s)) for s in (1, 3)]
     return sc
 
 
@@ -428,3 +429,86 @@ def test_peak_host_memory_during_load_is_a_shard_plus_a_unit(capsys):
             assert x["above"] <= bound, rows[-1]
     with capsys.disabled():
         print("\n[load memory] 21M-parameter Llama, 4 ranks\n  " + "\n  ".join(rows))
+
+
+# ---------------------------------------------------------------------------------------- PEFT on a meta base
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def _lora_train(model, engine, rank, world_size, steps=2):
+    """Two steps on the LoRA adapters (this rank's slice of each global batch); returns the losses."""
+    losses = []
+    model.train()
+    for micro in models.make_batches(steps, 1):
+        x = models.rank_slice(micro[0], rank, world_size)
+        loss = model(input_ids=x, labels=x).loss
+        engine.backward(loss) if engine is not None else loss.backward()
+        losses.append(loss.item())
+        if engine is not None:
+            engine.clip_grad_norm_(1.0)
+            engine.optimizer.step()
+    return losses
+
+
+def sc_peft_on_meta(rank: int, world_size: int, folder: str, stage: int) -> Dict[str, Any]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import hf_zero
+    from hf_zero import ZeroConfig, shard_model
+
+    base = hf_zero.from_pretrained(AutoModelForCausalLM, folder, torch_dtype=torch.float32,
+                                   attn_implementation="eager")
+    model = get_peft_model(base, LoraConfig(**LORA))
+    engine = shard_model(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5),
+                         ZeroConfig(stage=stage))
+    with engine.gathered_parameters():
+        adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+        base_q = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
+    losses = _lora_train(model, engine, rank, world_size)
+    with engine.gathered_parameters():
+        after = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    return {"adapters": adapters, "after": after, "base_q": base_q, "losses": losses}
+
+
+@pytest.mark.parametrize("stage", (1, 3))
+def test_peft_lora_on_a_meta_loaded_base(dist_results, stage):
+    """A PEFT LoRA model built on hf_zero.from_pretrained's meta base: the base weights are the file's, the
+    adapters get PEFT's init (A kaiming-uniform within 1/sqrt(in_features), B zero), equal on every rank; two
+    steps equal stock PEFT on Transformers' from_pretrained, started from the same adapter values, in one process
+    on the whole batch."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    ranks = dist_results(2, f"peft-s{stage}")
+    first = ranks[0]["adapters"]
+    for r, res in enumerate(ranks[1:], start=1):
+        assert all(torch.equal(res["adapters"][k], first[k]) for k in first), f"rank {r}: other adapter values"
+    files = _file_tensors(saved_folder("llama"))
+    assert torch.equal(ranks[0]["base_q"], files["model.layers.0.self_attn.q_proj.weight"])
+    for name, value in first.items():
+        if "lora_B" in name:
+            assert not value.any(), name
+        else:
+            assert 0 < value.abs().max() <= value.shape[1] ** -0.5, name
+    ref = get_peft_model(AutoModelForCausalLM.from_pretrained(saved_folder("llama"), dtype=torch.float32,
+                                                              attn_implementation="eager"), LoraConfig(**LORA))
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_" in n:
+                p.copy_(first[n])
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5)
+    ref.train()
+    ref_losses = []
+    for micro in models.make_batches(2, 1):
+        loss = ref(input_ids=micro[0], labels=micro[0]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    losses = torch.tensor([r["losses"] for r in ranks], dtype=torch.float64).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(ref_losses, dtype=torch.float64), rtol=RTOL, atol=ATOL)
+    for n, p in ref.named_parameters():
+        if "lora_" in n:
+            torch.testing.assert_close(ranks[0]["after"][n], p.detach(), rtol=RTOL, atol=ATOL)

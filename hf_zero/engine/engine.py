@@ -54,7 +54,7 @@ class ZeroEngine:
         self.config = config = config if config is not None else ZeroConfig()
         self.model = model
         self.comm = Comm(process_group, debug=config.debug_collectives)
-        record = resolve_weights(weights, model)
+        record = resolve_weights(weights, model)  # (PretrainedWeights, name prefix) or None
         self.device = (torch.device(device) if device is not None
                        else _default_device(model, process_group, record is not None))
         if self.device.type == "cpu":
@@ -128,12 +128,13 @@ class ZeroEngine:
         for name, buf in self.model.named_buffers():
             self.comm.broadcast(buf.data if buf.is_floating_point() or buf.numel() else buf, tag=f"buffer {name}")
 
-    def _load(self, record) -> List[FlatGroup]:
+    def _load(self, found) -> List[FlatGroup]:
         """The weights files, read straight into this rank's shards (engine/loading.py); a failure on any rank is
         raised on every rank."""
+        record, prefix = found
         error, groups = None, []
         try:
-            loader = ShardLoader(self.model, self.plan, record)
+            loader = ShardLoader(self.model, self.plan, record, prefix)
             loader.load_buffers()
         except (WeightsError, OSError) as exc:
             error, loader = f"{type(exc).__name__}: {exc}", None

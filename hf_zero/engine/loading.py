@@ -10,7 +10,6 @@ reported once; unexpected keys, shapes that differ and a config of another archi
 """
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import re
@@ -21,18 +20,24 @@ import torch
 from torch import nn
 
 from .planning import GroupPlan, ShardPlan, Slot
-from .weights import PretrainedWeights, WeightSource, WeightsError
+from .weights import PretrainedWeights, WeightSource, WeightsError, meta_copy
 
 logger = logging.getLogger("hf_zero")
 
 Weights = Union[None, str, os.PathLike, PretrainedWeights]
 
 
-def resolve_weights(weights: Weights, model: nn.Module) -> Optional[PretrainedWeights]:
-    """The weights to load: the argument, else what `hf_zero.from_pretrained` attached to the model."""
-    if weights is None:
-        return getattr(model, "hf_zero_weights", None)
-    return weights if isinstance(weights, PretrainedWeights) else PretrainedWeights(weights)
+def resolve_weights(weights: Weights, model: nn.Module) -> Optional[Tuple[PretrainedWeights, str]]:
+    """(the weights to load, the name prefix of the module they belong to): the argument, else what
+    `hf_zero.from_pretrained` attached to the model or to a module inside it (a PEFT model wraps the base model:
+    its parameter names start with "base_model.model.")."""
+    if weights is not None:
+        return (weights if isinstance(weights, PretrainedWeights) else PretrainedWeights(weights)), ""
+    for name, module in model.named_modules():
+        record = vars(module).get("hf_zero_weights")
+        if isinstance(record, PretrainedWeights):
+            return record, name
+    return None
 
 
 def _persistent_buffers(model: nn.Module) -> Dict[str, Tuple[nn.Module, str]]:
@@ -47,21 +52,23 @@ def _persistent_buffers(model: nn.Module) -> Dict[str, Tuple[nn.Module, str]]:
 class ShardLoader:
     """Reads one flat group's initial values at a time from a WeightSource (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, plan: ShardPlan, record: PretrainedWeights) -> None:
+    def __init__(self, model: nn.Module, plan: ShardPlan, record: PretrainedWeights, prefix: str = "") -> None:
         self.model, self.plan, self.record = model, plan, record
+        self.prefix = prefix + "." if prefix else ""
         self.source = WeightSource(record.path)
         self.keys = keys = set(self.source.keys())
-        config = getattr(model, "config", None)
+        base = model.get_submodule(prefix) if prefix else model
+        config = getattr(base, "config", None)
         theirs, ours = self.source.config_model_type(), getattr(config, "model_type", None)
         if theirs and ours and theirs != ours:
             raise WeightsError(f"{record.path} holds a {theirs!r} model (its config.json) but the model is "
-                               f"{type(model).__name__} ({ours!r}): load the folder saved from this architecture")
+                               f"{type(base).__name__} ({ours!r}): load the folder saved from this architecture")
         self.key_of: Dict[str, Optional[str]] = {}  # slot name -> the key in the files (any of its aliases)
         for g in plan.groups:
             for s in g.slots:
-                self.key_of[s.name] = next((a for a in s.aliases if a in keys), None)
-        self.buffers = _persistent_buffers(model)
-        known = {a for g in plan.groups for s in g.slots for a in s.aliases} | set(self.buffers)
+                self.key_of[s.name] = next((self._key(a) for a in s.aliases if self._key(a) in keys), None)
+        self.buffers = {self._key(n): v for n, v in _persistent_buffers(model).items()}
+        known = {self._key(a) for g in plan.groups for s in g.slots for a in s.aliases} | set(self.buffers)
         ignored = [re.compile(p) for p in record.ignore_unexpected]
         unexpected = sorted(k for k in keys - known if not any(p.search(k) for p in ignored))
         if unexpected:
@@ -73,6 +80,13 @@ class ShardLoader:
                                f"{next(iter(self.key_of))!r}): these weights come from another model")
         self.missing = sorted(name for name, key in self.key_of.items() if key is None)
         self._initialised: Dict[str, torch.Tensor] = {}
+
+    def _key(self, name: str) -> str:
+        """A model name as the files spell it (without the wrapper's prefix and renames)."""
+        name = name[len(self.prefix):] if self.prefix and name.startswith(self.prefix) else name
+        for old, new in self.record.rename:
+            name = name.replace(old, new)
+        return name
 
     # ---------------------------------------------------------------- buffers
     def load_buffers(self) -> None:
@@ -112,10 +126,16 @@ class ShardLoader:
 
     def _initial(self, slot: Slot) -> torch.Tensor:
         """A parameter the files lack, initialised as from_pretrained would, the same on every rank."""
+        if slot.name not in self._initialised and self.record.init_param is not None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(zlib.crc32(slot.name.encode()))
+                value = self.record.init_param(self.model, slot.name)
+            if value is not None:
+                self._initialised[slot.name] = value.detach().reshape(-1).clone()
         if slot.name not in self._initialised:
             mname, _, pname = slot.name.rpartition(".")
             module = self.model.get_submodule(mname) if mname else self.model
-            host = copy.deepcopy(module).to_empty(device="cpu", recurse=False)
+            host = meta_copy(module).to_empty(device="cpu", recurse=False)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(zlib.crc32(slot.name.encode()))
                 if self.record.init_module is not None:
@@ -137,6 +157,9 @@ class ShardLoader:
                                                          requires_grad=p.requires_grad))
 
     def finish(self, rank: int) -> None:
+        """Report what was initialised and read; the model no longer points at its files (it holds its values)."""
+        owner = self.model.get_submodule(self.prefix[:-1]) if self.prefix else self.model
+        vars(owner).pop("hf_zero_weights", None)
         if self.missing and rank == 0:
             logger.warning("hf_zero: some weights of %s were not initialized from %s and are newly initialized: %s",
                            type(self.model).__name__, self.record.path, self.missing)

@@ -11,6 +11,7 @@ parameters take no memory while its buffers (rotary `inv_freq`, ...) are compute
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import struct
@@ -171,12 +172,24 @@ class PretrainedWeights:
     """Where a meta-built model's weights are, and how to initialise what the files lack (set by from_pretrained).
 
     `init_module(module)` initialises a module's parameters in place (Transformers: the model's `_init_weights`);
-    `ignore_unexpected`: key patterns the files may hold that the model does not (Transformers'
-    `_keys_to_ignore_on_load_unexpected`)."""
+    `init_param(model, name)` may return the initial values of one parameter the files lack (adapters added on
+    top: PEFT's LoRA init), else None; `ignore_unexpected`: key patterns the files may hold that the model does
+    not (Transformers' `_keys_to_ignore_on_load_unexpected`); `rename`: (old, new) substrings that turn a parameter
+    name of a wrapped model into its key in the files (PEFT moves a wrapped layer's weight to `base_layer.`)."""
 
     path: Union[str, os.PathLike]
     init_module: Optional[Callable[[nn.Module], None]] = None
     ignore_unexpected: Tuple[str, ...] = ()
+    init_param: Optional[Callable[[nn.Module, str], Optional[torch.Tensor]]] = None
+    rename: Tuple[Tuple[str, str], ...] = ()
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of `module` whose parameters are new meta tensors of the same shapes (the originals, maybe
+    already sharded, are never read): materialise what you need with `to_empty`."""
+    memo = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+            for p in module.parameters()}
+    return copy.deepcopy(module, memo)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, GenerationConfig
 
-from ..engine.weights import INDEX, SINGLE, PretrainedWeights, parameters_on_meta
+from ..engine.weights import INDEX, SINGLE, PretrainedWeights, meta_copy, parameters_on_meta
 
 
 def _dtype(value: Any, config: Any) -> torch.dtype:
@@ -29,6 +29,28 @@ def _dtype(value: Any, config: Any) -> torch.dtype:
         if not isinstance(value, torch.dtype):
             raise ValueError(f"torch_dtype={value!r} is not a torch dtype")
     return value
+
+
+def init_adapter_param(model: nn.Module, name: str) -> Optional[torch.Tensor]:
+    """Initial values of an adapter parameter added on top of a meta-loaded base (PEFT's LoRA A/B): PEFT's own
+    `reset_lora_parameters` on a host copy of the LoRA layer. None for anything else (the base's own init)."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):  # the innermost ancestor that is a LoRA layer
+        layer = model.get_submodule(".".join(parts[:i]))
+        if hasattr(layer, "reset_lora_parameters") and hasattr(layer, "lora_A"):
+            break
+    else:
+        return None
+    rest = parts[i:]  # e.g. ["lora_A", "default", "weight"]
+    if len(rest) != 3 or rest[0] not in ("lora_A", "lora_B"):
+        return None
+    adapter = rest[1]
+    host = meta_copy(layer)  # never reads the (maybe already sharded) originals
+    for kind in ("lora_A", "lora_B"):
+        getattr(host, kind)[adapter].to_empty(device="cpu")
+    config = getattr(model, "peft_config", {}).get(adapter) if hasattr(model, "peft_config") else None
+    host.reset_lora_parameters(adapter, getattr(config, "init_lora_weights", True))
+    return getattr(getattr(host, rest[0])[adapter], rest[2]).detach()
 
 
 def from_pretrained(model_class: Any, path: Union[str, os.PathLike], torch_dtype: Any = "auto",
@@ -54,6 +76,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], torch_dtype
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     model.hf_zero_weights = PretrainedWeights(
         path, init_module=getattr(model, "_init_weights", None),
-        ignore_unexpected=tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()))
+        ignore_unexpected=tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()),
+        init_param=init_adapter_param, rename=((".base_layer.", "."),))
     model.eval()
     return model
