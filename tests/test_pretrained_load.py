@@ -132,6 +132,7 @@ def sc_missing_key(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     model = hf_zero.from_pretrained(AutoModelForCausalLM, folder, torch_dtype=torch.float32)
     engine = shard_model(model, models.make_optimizer(model), ZeroConfig(stage=2))
     w = model.lm_head.weight.detach().double()
+    engine.close()
     logging.getLogger("hf_zero").removeHandler(handler)
     return {"sum": float(w.sum()), "std": float(w.std()), "bytes": w.float().numpy().tobytes(), "log": records,
             "init_range": model.config.initializer_range}

@@ -149,14 +149,22 @@ def ref_stack(steps: int, world_size: int, ckpt_blocks: int = None, with_extra: 
     """Single process.  The loss is the mean over ranks of each rank's loss on its slice (rank r runs the extra
     sub-modules / branch iff uses_extra(r)), i.e. exactly the gradient DDP averages; clip 1.0; AdamW."""
     model = make_stack(ckpt_blocks or 2, with_extra, with_branch=with_branch)
+
+    def loss_of(batch):
+        x, t = batch
+        return sum(model(models.rank_slice(x, r, world_size), models.rank_slice(t, r, world_size),
+                         use_extra=uses_extra(r)) for r in range(world_size)) / world_size
+
+    return _train_reference(model, stack_optimizer(model), stack_batches(steps), loss_of)
+
+
+def _train_reference(model, opt, batches, loss_of) -> Dict[str, Any]:
+    """Plain PyTorch: for each batch, loss_of(batch).backward(), clip 1.0, step."""
     init = _detach(model.state_dict())
-    opt = stack_optimizer(model)
     params = [p for p in model.parameters() if p.requires_grad]
     losses, norms = [], []
-    for x, t in stack_batches(steps):
-        per_rank = [model(models.rank_slice(x, r, world_size), models.rank_slice(t, r, world_size),
-                          use_extra=uses_extra(r)) for r in range(world_size)]
-        loss = sum(per_rank) / world_size
+    for batch in batches:
+        loss = loss_of(batch)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
         opt.step()
@@ -169,18 +177,9 @@ def ref_two_forward(steps: int = STEPS, variant: str = "lora") -> Dict[str, Any]
     """Single process, Llama (LoRA variant): loss = model(a).loss + model(b).loss on the full global batches."""
     torch.set_num_threads(1)
     model = models.make_model("llama", variant)
-    init = _detach(model.state_dict())
-    opt = models.make_optimizer(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    losses, norms = [], []
-    for a, b in models.make_batches(steps, 2):
-        loss = model(input_ids=a, labels=a).loss + model(input_ids=b, labels=b).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "state": _detach(model.state_dict()), "init": init}
+    return _train_reference(model, models.make_optimizer(model), models.make_batches(steps, 2),
+                            lambda ab: model(input_ids=ab[0], labels=ab[0]).loss + model(input_ids=ab[1],
+                                                                                          labels=ab[1]).loss)
 
 
 # ------------------------------------------------------------------------------------------ scenarios (in workers)
