@@ -224,9 +224,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if self.scaler is not None:
                 self.scaler.update(overflow=False)
         else:
-            logger.warning("hf_zero: fp16 overflow, skipping the step; loss scale %.0f -> %.0f", self.scaler.scale,
-                           self.scaler.scale / self.scaler.factor)
+            before = self.scaler.scale
             self.scaler.update(overflow=True)
+            logger.warning("hf_zero: fp16 overflow, skipping the step; loss scale %.0f -> %.0f", before,
+                           self.scaler.scale)
         self.zero_grad()
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})

@@ -31,11 +31,12 @@ from .comm import Comm, Handle
 class _GroupState:
     __slots__ = ("group", "expected", "ready", "complete", "bucket", "handle", "reduced", "reduce_dtype", "predivide")
 
-    def __init__(self, group: FlatGroup, reduce_dtype: torch.dtype, world_size: int) -> None:
+    def __init__(self, group: FlatGroup, reduce_dtype: torch.dtype, world_size: int, stage: int) -> None:
         self.group = group
         self.reduce_dtype = reduce_dtype  # stages 2/3: the bucket's dtype on the wire
-        # an fp16 sum of N ranks' (loss-scaled) gradients overflows N times sooner: divide each share first
-        self.predivide = reduce_dtype == torch.float16 and world_size > 1
+        # stages 2/3: an fp16 sum of N ranks' (loss-scaled) gradients overflows N times sooner, so each share is
+        # divided first (stages 0/1 reduce their accumulator, in grad_accum_dtype, and divide after)
+        self.predivide = reduce_dtype == torch.float16 and world_size > 1 and stage >= 2
         self.expected = len(group.params)
         self.ready = 0  # gradients arrived in this backward
         self.complete = False  # all of them arrived in this backward
@@ -52,8 +53,8 @@ class Reducer:
                  on_launch: Optional[Callable[[FlatGroup], None]] = None,
                  on_backward_end: Optional[Callable[[], None]] = None) -> None:
         self.stage, self.comm, self.pool = stage, comm, pool
-        self.states = [_GroupState(g, reduce_dtype(g.plan.dtype) if stage >= 2 else g.plan.dtype, comm.world_size)
-                       for g in groups if g.plan.trainable]
+        self.states = [_GroupState(g, reduce_dtype(g.plan.dtype) if stage >= 2 else g.plan.dtype, comm.world_size,
+                                   stage) for g in groups if g.plan.trainable]
         self.by_param: Dict[int, tuple] = {}
         for st in self.states:
             for p, slot in zip(st.group.params, st.group.plan.slots):
