@@ -4,7 +4,7 @@ from .engine import (ParameterNotGatheredError, PretrainedWeights, WeightsError,
                      parameters_on_meta, shard_model)
 
 __all__ = ["ZeroConfig", "ZeroConfigError", "ZeroEngine", "ZeroOptimizer", "shard_model", "HfZeroAccelerator", "ZeroPlugin",
-           "ZeroTrainer", "ZeroTrainingArguments", "from_pretrained", "parameters_on_meta", "PretrainedWeights",
+           "ZeroTrainer", "ZeroTrainingArguments", "ZeroTrainerMixin", "zero_trainer", "from_pretrained", "parameters_on_meta", "PretrainedWeights",
            "WeightsError", "ParameterNotGatheredError"]
 __version__ = "0.1.0"
 
@@ -23,7 +23,7 @@ def __getattr__(name: str):
         from .integrations.pretrained import from_pretrained
 
         return from_pretrained
-    if name in ("ZeroTrainer", "ZeroTrainingArguments"):
+    if name in ("ZeroTrainer", "ZeroTrainingArguments", "ZeroTrainerMixin", "zero_trainer"):
         from .integrations import trainer
 
         return getattr(trainer, name)

@@ -1,4 +1,8 @@
-"""ZeroTrainer: the Transformers Trainer on hf_zero.
+"""ZeroTrainer: the Transformers Trainer on hf_zero; ZeroTrainerMixin / zero_trainer(cls): any Trainer subclass
+(TRL's SFTTrainer, DPOTrainer, ...) on hf_zero.
+
+    class MySFT(hf_zero.ZeroTrainerMixin, trl.SFTTrainer): ...      # or
+    ZeroSFTTrainer = hf_zero.zero_trainer(trl.SFTTrainer)
 
 The Trainer builds its Accelerator through the module-level name `transformers.trainer.Accelerator`; the
 subclass swaps that name for HfZeroAccelerator while the Trainer creates it. Saving writes consolidated
@@ -29,11 +33,11 @@ class ZeroTrainingArguments(TrainingArguments):
     """TrainingArguments; the ZeRO settings come from `ZeroTrainer(zero_plugin=...)` or hf_zero.yaml."""
 
 
-class ZeroTrainer(Trainer):
-    """Trainer whose model and optimizer are sharded with ZeRO (stage, offload, buckets from `zero_plugin`).
-
-    Every stock TrainingArguments option keeps its meaning (gradient_accumulation_steps, max_grad_norm, bf16,
-    logging/eval/save steps, save_total_limit, resume_from_checkpoint, push_to_hub).
+class ZeroTrainerMixin:
+    """Put it first in the bases of any `transformers.Trainer` subclass: the model and optimizer are sharded with
+    ZeRO (stage, offload, buckets from `zero_plugin=` or hf_zero.yaml), and saving, resuming and pushing go
+    through the shards. Every stock TrainingArguments option keeps its meaning (gradient_accumulation_steps,
+    max_grad_norm, bf16, logging/eval/save steps, save_total_limit, resume_from_checkpoint, push_to_hub).
     """
 
     def __init__(self, *args: Any, zero_plugin: Optional[ZeroPlugin] = None, **kwargs: Any) -> None:
@@ -97,3 +101,19 @@ class ZeroTrainer(Trainer):
         """The best checkpoint's master weights come back from its shards (the model is sharded by now)."""
         best = self.state.best_model_checkpoint
         load_checkpoint(self.zero_engine, os.path.join(best, SHARDS_DIR))
+
+
+class ZeroTrainer(ZeroTrainerMixin, Trainer):
+    """The Transformers Trainer on hf_zero (ZeroTrainerMixin over Trainer)."""
+
+
+@functools.lru_cache(maxsize=None)
+def zero_trainer(trainer_class: type) -> type:
+    """`trainer_class` (a Trainer subclass, e.g. trl.SFTTrainer) on hf_zero: a subclass with ZeroTrainerMixin first,
+    named "Zero" + its name; the same class for the same argument."""
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise TypeError(f"zero_trainer() takes a transformers.Trainer subclass, got {trainer_class!r}")
+    if issubclass(trainer_class, ZeroTrainerMixin):
+        return trainer_class
+    return type(f"Zero{trainer_class.__name__}", (ZeroTrainerMixin, trainer_class),
+                {"__module__": __name__, "__doc__": f"{trainer_class.__name__} on hf_zero."})
