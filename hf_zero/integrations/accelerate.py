@@ -153,6 +153,10 @@ class HfZeroAccelerator(Accelerator):
                 self._models.append(model)
             return model
         if evaluation_mode:
+            if any(p.is_meta for p in model.parameters()):
+                raise ValueError("this model's parameters are still on the meta device (hf_zero.from_pretrained): "
+                                 "prepare(model, optimizer) reads its weights into shards; evaluate after that (with "
+                                 "the Trainer: eval_on_start=True evaluates right after preparing)")
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
         self._pending_model = model
         return model
