@@ -184,14 +184,19 @@ def test_accelerator_save_model_and_push_to_hub_stage3(tmp_path):
     from safetensors.torch import load
     from transformers import AutoModelForCausalLM
 
+    from hub_server import CLIENT_ENV
+
     cfg = tmp_path / "zero.yaml"
     cfg.write_text("zero:\n  stage: 3\n")
     out = tmp_path / "run"
-    with HubServer() as hub:
-        _launch_env("accel_train.py", _hub_env(hub, cfg), "--backend", "zero", "--model", "llama", "--out", str(out),
+    with HubServer(lfs_threshold=1024) as hub:  # the weights take the LFS path the real client takes for them
+        env = {**_hub_env(hub, cfg), **CLIENT_ENV}
+        _launch_env("accel_train.py", env, "--backend", "zero", "--model", "llama", "--out", str(out),
                     "--push", "me/tiny-llama")
         received = hub.repos["me/tiny-llama"]
         assert hub.unhandled == []
+        lfs_paths = {c["path"] if isinstance(c, dict) else c for commit in hub.commits for c in commit.get("lfs", [])}
+        assert "model.safetensors" in lfs_paths, hub.commits
     assert_same_weights(out / "saved" / "model.safetensors", out / "weights.safetensors", rtol=1e-7)
     loaded = AutoModelForCausalLM.from_pretrained(out / "saved")
     trained = load_file(out / "weights.safetensors")
