@@ -2,8 +2,12 @@
 implements (runner.py runs them, trainers.py and deepspeed.py implement them)."""
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 
 @dataclass
@@ -61,3 +65,27 @@ class Trainer:
     def row_extras(self) -> Dict[str, Any]:
         """Extra fields for the system's row (rank 0's), e.g. a peer's version."""
         return {}
+
+
+def cpu_count() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def extensions_dir(needed: bool) -> Iterator[None]:
+    """A temporary TORCH_EXTENSIONS_DIR for the workers (inherited), unless the user set one: a peer that
+    JIT-compiles an op must not fill ~/.cache; one folder for the whole run, so the systems share one build."""
+    if not needed or os.environ.get("TORCH_EXTENSIONS_DIR"):
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="hfz_bench_torch_extensions_")
+    os.environ["TORCH_EXTENSIONS_DIR"] = folder
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+        shutil.rmtree(folder, ignore_errors=True)

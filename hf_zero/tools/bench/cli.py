@@ -2,19 +2,16 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
-from .base import Settings
-from .runner import (DEFAULT_TIMEOUT_S, PRESETS, SYSTEMS, load_model_config, log, max_positions,
+from .base import Settings, cpu_count, extensions_dir
+from .load import LOAD_PRESETS, add_load_arguments, resolve_model_config, run_load
+from .runner import (DEFAULT_TIMEOUT_S, PRESETS, SYSTEMS, log, max_positions,
                     build_config, run_system, skipped_row)
 
 
@@ -66,8 +63,9 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
 # ====================================================================================================== CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group()
-    model.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                       help="model shapes: gpt2 = GPT-2 small (124M), tiny = a ~141K-parameter GPT-2 (default: gpt2)")
+    model.add_argument("--preset", choices=sorted({**PRESETS, **LOAD_PRESETS}), default=None,
+                       help="model shapes: gpt2 = GPT-2 small (124M), tiny = a ~141K-parameter GPT-2, llama270m = "
+                            "a ~271M-parameter Llama for manual --load runs (default: gpt2)")
     model.add_argument("--config", default=None, metavar="PATH",
                        help="a Transformers config.json (with model_type) to build the causal LM from")
     parser.add_argument("--systems", default="all",
@@ -90,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="draw tokens/s and bytes per rank per system to this PNG (needs matplotlib: "
                              "pip install 'hf_zero[bench]')")
+    add_load_arguments(parser)
 
 
 def _parse_systems(text: str) -> List[str]:
@@ -106,29 +105,6 @@ def _parse_systems(text: str) -> List[str]:
         if n not in seen:
             seen.append(n)
     return seen
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-@contextlib.contextmanager
-def _extensions_dir(needed: bool) -> Iterator[None]:
-    """A temporary TORCH_EXTENSIONS_DIR for the workers (inherited), unless the user set one: a peer that
-    JIT-compiles an op must not fill ~/.cache; one folder for the whole run, so the systems share one build."""
-    if not needed or os.environ.get("TORCH_EXTENSIONS_DIR"):
-        yield
-        return
-    folder = tempfile.mkdtemp(prefix="hfz_bench_torch_extensions_")
-    os.environ["TORCH_EXTENSIONS_DIR"] = folder
-    try:
-        yield
-    finally:
-        os.environ.pop("TORCH_EXTENSIONS_DIR", None)
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _run_one(i: int, system: str, systems: List[str], settings: Settings) -> Dict[str, Any]:
@@ -153,6 +129,8 @@ def _run_one(i: int, system: str, systems: List[str], settings: Settings) -> Dic
 def run(args: argparse.Namespace) -> int:
     """`hf-zero bench`: run every requested system, print the table, write --json and --plot; the exit code is
     1 when an hf_zero system failed, 2 on bad arguments, else 0 (peers that fail or are skipped do not count)."""
+    if getattr(args, "load", False):
+        return run_load(args)  # load.py: from a save_pretrained folder to a sharded model, per system
     try:
         systems = _parse_systems(args.systems)
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "num_processes"):
@@ -162,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
         if args.preset is None and args.config is None:
             args.preset = "gpt2"
-        model_config, model_name = load_model_config(args)
+        model_config, model_name = resolve_model_config(args)
         max_pos = max_positions(build_config(model_config))
         if max_pos is not None and args.seq_len > max_pos:
             raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {max_pos} positions")
@@ -184,14 +162,14 @@ def run(args: argparse.Namespace) -> int:
         model_config=model_config, model_name=model_name, steps=args.steps, warmup=args.warmup,
         batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
         mixed_precision=args.mixed_precision, num_processes=world, lr=args.lr, seed=args.seed,
-        timeout_s=args.timeout, threads_per_rank=max(1, _cpu_count() // world),
+        timeout_s=args.timeout, threads_per_rank=max(1, cpu_count() // world),
     )
     log(f"model {model_name}, world {world} ({'nccl' if torch.cuda.is_available() else 'gloo'}), "
          f"batch {settings.batch_size} x seq {settings.seq_len} x accum {settings.grad_accum} per rank, "
          f"{settings.warmup} warmup + {settings.steps} timed steps, mixed precision {settings.mixed_precision}, "
          f"{settings.threads_per_rank} threads per rank")
 
-    with _extensions_dir(any(SYSTEMS[name].jit_extensions for name in systems)):
+    with extensions_dir(any(SYSTEMS[name].jit_extensions for name in systems)):
         rows = [_run_one(i, system, systems, settings) for i, system in enumerate(systems)]
 
     ddp = next((r for r in rows if r["system"] == "ddp" and r["status"] == "ok"), None)
