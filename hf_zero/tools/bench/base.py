@@ -89,3 +89,34 @@ def extensions_dir(needed: bool) -> Iterator[None]:
     finally:
         os.environ.pop("TORCH_EXTENSIONS_DIR", None)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def local_nbytes(t) -> int:
+    """Bytes this rank holds of `t` (a DTensor's local shard; 0 for None)."""
+    if t is None:
+        return 0
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def init_worker_group(rank: int, world_size: int, port: int, threads: int, timeout_s: float):
+    """A bench worker's process group (nccl on CUDA, else gloo) over a TCPStore on 127.0.0.1:port; its device."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return device

@@ -53,18 +53,18 @@ import datetime
 import gc
 import json
 import math
-import multiprocessing.connection
 import os
 import shutil
 import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from .base import Settings, WorkerContext, cpu_count, extensions_dir
+from .base import Settings, WorkerContext, cpu_count, extensions_dir, init_worker_group
 from .load_systems import DeepSpeedLoad, FSDP2Load, HfZeroLoad, Loaded, LoadJob, weight_files
 from .runner import build_config, load_model_config, log
+from .spawn import error_summary, first_error, spawn
 
 # Presets only big enough to see loading memory; for manual runs (minutes on a CPU).
 LOAD_PRESETS: Dict[str, Dict[str, Any]] = {
@@ -86,7 +86,6 @@ LOAD_SYSTEMS: Dict[str, str] = {
                        "GatheredParameters(modifier_rank=0) per module) + deepspeed.initialize(AdamW)",
 }
 DEFAULT_LOAD_SYSTEMS = ("zero0", "zero1", "zero2", "zero3", "fsdp2", "deepspeed_zero3")
-ERROR_GRACE_S = 20
 WEIGHT_TOLERANCE = 0.0  # the files are fp32 and every system loads fp32: bit-equal
 
 
@@ -222,20 +221,7 @@ def _row(system: str, world: int, everyone: List[Dict[str, Any]], job: LoadJob) 
 def _worker(rank: int, world: int, port: int, system: str, job: LoadJob, out_dir: str) -> None:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # libraries log to stdout; `--json -` owns the parent's
     try:
-        import torch
-
-        torch.set_num_threads(job.threads_per_rank)
-        import torch.distributed as dist
-
-        if torch.cuda.is_available():
-            device = torch.device("cuda", rank % torch.cuda.device_count())
-            torch.cuda.set_device(device)
-            backend = "nccl"
-        else:
-            device, backend = torch.device("cpu"), "gloo"
-        timeout = datetime.timedelta(seconds=job.timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        device = init_worker_group(rank, world, port, job.threads_per_rank, job.timeout_s)
         settings = Settings(model_config={}, model_name=job.folder, steps=1, warmup=0, batch_size=1, seq_len=1,
                             grad_accum=1, mixed_precision="no", num_processes=world, lr=job.lr, seed=0,
                             timeout_s=job.timeout_s, threads_per_rank=job.threads_per_rank)
@@ -245,6 +231,8 @@ def _worker(rank: int, world: int, port: int, system: str, job: LoadJob, out_dir
             with open(path + ".tmp", "w") as f:
                 json.dump(result, f)
             os.replace(path + ".tmp", path)
+        import torch.distributed as dist
+
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -258,64 +246,6 @@ def _worker(rank: int, world: int, port: int, system: str, job: LoadJob, out_dir
 
 
 # ====================================================================================================== parent
-def _error_of(out_dir: str, world: int) -> Optional[str]:
-    texts = {}
-    for r in range(world):
-        path = os.path.join(out_dir, f"error_rank{r}.txt")
-        if os.path.exists(path):
-            with open(path) as f:
-                texts[r] = f.read()
-    if not texts:
-        return None
-    order = sorted(texts, key=lambda r: ("by peer" in texts[r] or "Connection reset" in texts[r], r))
-    return f"rank {order[0]}: " + texts[order[0]].strip()
-
-
-def _last_line(error: str) -> str:
-    lines = [ln.strip() for ln in error.strip().splitlines() if ln.strip()]
-    rank = error.split(":", 1)[0] if error.startswith("rank ") else ""
-    text = f"{rank}: {lines[-1]}" if rank and lines else (lines[-1] if lines else error)
-    return text if len(text) <= 160 else text[:157] + "..."
-
-
-def _spawn(target: Callable, args_of: Callable[[int], tuple], n: int, timeout_s: float, threads: int,
-           env: Optional[Dict[str, str]] = None) -> Tuple[List[Any], bool]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    env = {"OMP_NUM_THREADS": str(threads), **(env or {})}  # inherited by the children
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    procs = []
-    try:
-        for i in range(n):
-            p = ctx.Process(target=target, args=args_of(i), daemon=True)
-            p.start()
-            procs.append(p)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    start, first_failure, timed_out = time.monotonic(), None, False
-    while any(p.is_alive() for p in procs):
-        multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=1.0)
-        now = time.monotonic()
-        if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
-            first_failure = now
-        if first_failure is not None and now - first_failure > ERROR_GRACE_S:
-            break
-        if now - start > timeout_s:
-            timed_out = True
-            break
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join()
-    return procs, timed_out
-
-
 def run_load_system(system: str, job: LoadJob) -> Dict[str, Any]:
     """Spawn `job.world_size` workers that load the folder with `system`; rank 0's row (or an error row)."""
     import torch.distributed as dist
@@ -327,18 +257,18 @@ def run_load_system(system: str, job: LoadJob) -> Dict[str, Any]:
     try:
         port = store.port
         env = {"MALLOC_MMAP_THRESHOLD_": str(job.malloc_mmap_threshold)} if job.malloc_mmap_threshold else None
-        procs, timed_out = _spawn(_worker, lambda r: (r, world, port, system, job, out_dir), world,
+        procs, timed_out = spawn(_worker, lambda r: (r, world, port, system, job, out_dir), world,
                                   job.timeout_s, job.threads_per_rank, env)
         del store  # the workers are gone: the rendezvous can close
         result_path = os.path.join(out_dir, "result.json")
-        error = _error_of(out_dir, world)
+        error = first_error(out_dir, world)
         if error is None and os.path.exists(result_path):
             with open(result_path) as f:
                 return json.load(f)
         if error is None:
             error = (f"timed out after {job.timeout_s:.0f}s" if timed_out
                      else f"no result; worker exit codes {[p.exitcode for p in procs]}")
-        return {"system": system, "status": "error: " + _last_line(error), "error": error,
+        return {"system": system, "status": "error: " + error_summary(error), "error": error,
                 "hf_zero": system in HF_ZERO_LOAD, "world_size": world}
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -373,9 +303,9 @@ def save_model(model_config: Dict[str, Any], folder: str, seed: int, max_shard_s
     """Build the model (seeded) and save_pretrained it into `folder`, in a spawned process."""
     out_dir = tempfile.mkdtemp(prefix="hfz_load_save_")
     try:
-        procs, timed_out = _spawn(_save_worker, lambda r: (model_config, folder, seed, max_shard_size, out_dir), 1,
+        procs, timed_out = spawn(_save_worker, lambda r: (model_config, folder, seed, max_shard_size, out_dir), 1,
                                   timeout_s, threads)
-        error = _error_of(out_dir, 1)
+        error = first_error(out_dir, 1)
         if error is not None or timed_out or procs[0].exitcode != 0:
             raise RuntimeError(f"saving the model failed: {error or ('timed out' if timed_out else procs[0].exitcode)}")
         with open(os.path.join(out_dir, "saved.json")) as f:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
-from .base import WorkerContext
+from .base import WorkerContext, local_nbytes
 
 # Presets only big enough to see loading memory; for manual runs (minutes on a CPU).
 
@@ -33,16 +33,6 @@ class LoadJob:
     files: List[str] = field(default_factory=list)
 
 
-def _nbytes(t) -> int:
-    if t is None:
-        return 0
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        t = t.to_local()
-    return t.numel() * t.element_size()
-
-
 def _torch_states(model, optimizer) -> Dict[str, int]:
     """Bytes of the distinct parameters (local shards), their .grad and the optimizer's state tensors."""
     import torch
@@ -52,12 +42,12 @@ def _torch_states(model, optimizer) -> Dict[str, int]:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        params += _nbytes(p)
-        grads += _nbytes(p.grad)
+        params += local_nbytes(p)
+        grads += local_nbytes(p.grad)
     for state in optimizer.state.values():
         for v in state.values():
             if torch.is_tensor(v):
-                states += _nbytes(v)
+                states += local_nbytes(v)
     return {"params": params, "grads": grads, "optimizer_states": states, "model_states": params + grads + states}
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing.connection
 import os
 import sys
 import tempfile
@@ -35,12 +34,12 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .base import Settings, Trainer, WorkerContext
+from .base import Settings, Trainer, WorkerContext, init_worker_group
+from .spawn import error_summary, first_error, spawn
 from .trainers import DDPTrainer, FSDP2Trainer, HfZeroTrainer, ZeroRedundancyTrainer
 
 HF_ZERO_PREFIX = "zero"  # zero0..zero3 are hf_zero; their failure makes the exit code non-zero
 DEFAULT_TIMEOUT_S = 1800
-ERROR_GRACE_S = 20  # after one rank died, how long its peers get to fail on their own before being killed
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     # GPT-2 small (124M): the shapes of the `gpt2` checkpoint, built from scratch.
@@ -288,20 +287,7 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
 
 def _worker(rank: int, world_size: int, port: int, system: str, settings: Settings, out_dir: str) -> None:
     try:
-        import torch
-
-        torch.set_num_threads(settings.threads_per_rank)
-        import torch.distributed as dist
-
-        if torch.cuda.is_available():
-            device = torch.device("cuda", rank % torch.cuda.device_count())
-            torch.cuda.set_device(device)
-            backend = "nccl"
-        else:
-            device, backend = torch.device("cpu"), "gloo"
-        timeout = datetime.timedelta(seconds=settings.timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        device = init_worker_group(rank, world_size, port, settings.threads_per_rank, settings.timeout_s)
         ctx = WorkerContext(rank, world_size, device, settings)
         result = _train(system, ctx)
         if rank == 0:
@@ -309,6 +295,8 @@ def _worker(rank: int, world_size: int, port: int, system: str, settings: Settin
             with open(path + ".tmp", "w") as f:
                 json.dump(result, f)
             os.replace(path + ".tmp", path)
+        import torch.distributed as dist
+
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -324,74 +312,21 @@ def _worker(rank: int, world_size: int, port: int, system: str, settings: Settin
 
 
 # ====================================================================================================== parent
-def _first_error(out_dir: str, world_size: int) -> Optional[str]:
-    texts = {}
-    for r in range(world_size):
-        path = os.path.join(out_dir, f"error_rank{r}.txt")
-        if os.path.exists(path):
-            with open(path) as f:
-                texts[r] = f.read()
-    if not texts:
-        return None
-    # ranks that only lost their peer go last: the cause is elsewhere
-    order = sorted(texts, key=lambda r: ("by peer" in texts[r] or "Connection reset" in texts[r], r))
-    return f"rank {order[0]}: " + texts[order[0]].strip()
-
-
-def _summary(error: str) -> str:
-    """The last line of a traceback (the exception), for the table's status column."""
-    lines = [ln for ln in error.strip().splitlines() if ln.strip()]
-    last = lines[-1].strip() if lines else error
-    rank = error.split(":", 1)[0] if error.startswith("rank ") else ""
-    text = f"{rank}: {last}" if rank else last
-    return text if len(text) <= 160 else text[:157] + "..."
-
-
 def run_system(system: str, settings: Settings) -> Dict[str, Any]:
     """Spawn `settings.num_processes` workers for one system and return rank 0's row (or an error row)."""
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     world = settings.num_processes
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=settings.timeout_s))
-    ctx = mp.get_context("spawn")
     out_dir = tempfile.mkdtemp(prefix=f"hfz_bench_{system}_")
-    old_omp = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(settings.threads_per_rank)  # inherited by the children
-    procs = []
-    try:
-        for rank in range(world):
-            p = ctx.Process(target=_worker, args=(rank, world, store.port, system, settings, out_dir), daemon=True)
-            p.start()
-            procs.append(p)
-    finally:
-        if old_omp is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old_omp
-
-    start = time.monotonic()
-    first_failure: Optional[float] = None
-    timed_out = False
-    while any(p.is_alive() for p in procs):
-        multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=1.0)
-        now = time.monotonic()
-        if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
-            first_failure = now
-        if first_failure is not None and now - first_failure > ERROR_GRACE_S:
-            break
-        if now - start > settings.timeout_s:
-            timed_out = True
-            break
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join()
+    port = store.port
+    procs, timed_out = spawn(_worker, lambda rank: (rank, world, port, system, settings, out_dir), world,
+                             settings.timeout_s, settings.threads_per_rank)
     del store
 
     result_path = os.path.join(out_dir, "result.json")
-    error = _first_error(out_dir, world)
+    error = first_error(out_dir, world)
     row: Dict[str, Any]
     if error is None and os.path.exists(result_path):
         with open(result_path) as f:
@@ -401,7 +336,7 @@ def run_system(system: str, settings: Settings) -> Dict[str, Any]:
             codes = [p.exitcode for p in procs]
             error = (f"timed out after {settings.timeout_s:.0f}s" if timed_out
                      else f"no result; worker exit codes {codes}")
-        row = {"system": system, "status": "error: " + _summary(error), "error": error,
+        row = {"system": system, "status": "error: " + error_summary(error), "error": error,
                "hf_zero": SYSTEMS[system].hf_zero}
     for name in os.listdir(out_dir):
         os.remove(os.path.join(out_dir, name))

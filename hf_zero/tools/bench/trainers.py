@@ -5,17 +5,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from .base import Trainer, WorkerContext
-
-
-def _nbytes(t) -> int:
-    if t is None:
-        return 0
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        t = t.to_local()
-    return t.numel() * t.element_size()
+from .base import Trainer, WorkerContext, local_nbytes
 
 
 def _torch_state_bytes(params, optimizer) -> int:
@@ -27,12 +17,12 @@ def _torch_state_bytes(params, optimizer) -> int:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        total += _nbytes(p) + _nbytes(p.grad)
+        total += local_nbytes(p) + local_nbytes(p.grad)
     for state in optimizer.state.values():
         for v in state.values():
             if torch.is_tensor(v) and id(v) not in seen:
                 seen.add(id(v))
-                total += _nbytes(v)
+                total += local_nbytes(v)
     return total
 
 

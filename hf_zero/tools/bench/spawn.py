@@ -1,0 +1,72 @@
+"""Bench workers: spawn one group of processes, wait for it with a bound, and read back what failed first."""
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+ERROR_GRACE_S = 20  # after one rank died, how long its peers get to fail on their own before being killed
+
+
+def spawn(target: Callable, args_of: Callable[[int], tuple], n: int, timeout_s: float, threads: int,
+          env: Optional[Dict[str, str]] = None) -> Tuple[List[Any], bool]:
+    """Start `n` spawned processes target(*args_of(i)) with OMP_NUM_THREADS=`threads` (and `env`) and wait for them:
+    a failure gives the others ERROR_GRACE_S to fail on their own, `timeout_s` bounds the whole; whatever is still
+    alive then is killed. Returns (the processes, whether the timeout struck)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    env = {"OMP_NUM_THREADS": str(threads), **(env or {})}  # inherited by the children
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    procs = []
+    try:
+        for i in range(n):
+            p = ctx.Process(target=target, args=args_of(i), daemon=True)
+            p.start()
+            procs.append(p)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    start, first_failure, timed_out = time.monotonic(), None, False
+    while any(p.is_alive() for p in procs):
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=1.0)
+        now = time.monotonic()
+        if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
+            first_failure = now
+        if first_failure is not None and now - first_failure > ERROR_GRACE_S:
+            break
+        if now - start > timeout_s:
+            timed_out = True
+            break
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    return procs, timed_out
+
+
+def first_error(out_dir: str, world: int) -> Optional[str]:
+    """The error file of the rank that failed first for a reason of its own (ranks that only lost a peer go last)."""
+    texts = {}
+    for r in range(world):
+        path = os.path.join(out_dir, f"error_rank{r}.txt")
+        if os.path.exists(path):
+            with open(path) as f:
+                texts[r] = f.read()
+    if not texts:
+        return None
+    order = sorted(texts, key=lambda r: ("by peer" in texts[r] or "Connection reset" in texts[r], r))
+    return f"rank {order[0]}: " + texts[order[0]].strip()
+
+
+def error_summary(error: str) -> str:
+    """The last line of a traceback (the exception), with its rank, for a table's status column."""
+    lines = [ln.strip() for ln in error.strip().splitlines() if ln.strip()]
+    rank = error.split(":", 1)[0] if error.startswith("rank ") else ""
+    text = f"{rank}: {lines[-1]}" if rank and lines else (lines[-1] if lines else error)
+    return text if len(text) <= 160 else text[:157] + "..."
