@@ -66,7 +66,8 @@ class FlatGroup:
     - `master`: the owned range in the master dtype (fp32 under mixed precision); the same tensor as `shard`
       when dtypes and devices agree (pure fp32 keeps no second copy).
     - `grad_full` (stages 0/1): padded full gradient accumulator; `grad_shard`: the owned range of the reduced
-      gradient (a view of `grad_full` at stages 0/1, its own storage at 2/3).
+      gradient (a view of `grad_full` at stages 0/1, its own storage at 2/3). Both are allocated (zeroed) on
+      first use, the first backward, as FSDP2 does: a model just sharded or loaded holds no gradient memory.
     """
 
     def __init__(self, plan: GroupPlan, params: List[nn.Parameter], stage: int, rank: int,
@@ -88,7 +89,11 @@ class FlatGroup:
             # Stage 3: `full` keeps one storage for the group's whole life; it is resized to zero bytes when the
             # unit is released and back when it is gathered. Parameters and any views autograd saved of them
             # (F.linear saves weight.t()) therefore see the re-gathered values in the backward.
-            self.shard = _host_pinned(owned.to(device=shard_device, dtype=plan.dtype).clone(), device)
+            shard = owned.to(device=shard_device, dtype=plan.dtype)
+            if shard is owned and (values_lo != self.lo or values.numel() != self.hi - self.lo):
+                shard = shard.clone()  # a view of a larger buffer: keep only the owned range
+            # (the owned range read straight from the files is already a tensor of its own: no second copy)
+            self.shard = _host_pinned(shard, device)
             self.full = torch.empty(plan.padded_numel, dtype=plan.dtype, device=device)
         self.point_params(self.full)
         if stage == 3:
@@ -96,19 +101,45 @@ class FlatGroup:
                 partition_parameter(p, " / ".join(slot.aliases), self)
             self.free_full()
         self.master: Optional[torch.Tensor] = None
-        self.grad_full: Optional[torch.Tensor] = None
-        self.grad_shard: Optional[torch.Tensor] = None
+        self._grad_full: Optional[torch.Tensor] = None
+        self._grad_shard: Optional[torch.Tensor] = None
+        self._accum_dtype = accum_dtype
         if plan.trainable:
             if master_dtype == plan.dtype and master_device == self.shard.device and not offload_master:
                 self.master = self.shard
             else:  # ZeRO-Offload keeps its own host copy, the step's input and output (pinned for async copies)
                 self.master = _host_pinned(
                     owned.to(device=master_device, dtype=master_dtype).clone(), device)
-            if stage < 2:
-                self.grad_full = torch.zeros(plan.padded_numel, dtype=accum_dtype, device=device)
-                self.grad_shard = self.grad_full[self.lo:self.hi]
-            else:
-                self.grad_shard = torch.zeros(plan.shard_numel, dtype=accum_dtype, device=device)
+
+    # ---------------------------------------------------------------- gradients (allocated on first use)
+    def _allocate_grads(self) -> None:
+        if not self.plan.trainable or self._grad_shard is not None:
+            return
+        if self.stage < 2:
+            self._grad_full = torch.zeros(self.plan.padded_numel, dtype=self._accum_dtype, device=self.device)
+            self._grad_shard = self._grad_full[self.lo:self.hi]
+        else:
+            self._grad_shard = torch.zeros(self.plan.shard_numel, dtype=self._accum_dtype, device=self.device)
+
+    @property
+    def grad_full(self) -> Optional[torch.Tensor]:
+        """Stages 0/1: the padded full gradient accumulator (None at stages 2/3 and for frozen groups)."""
+        if self.stage < 2:
+            self._allocate_grads()
+        return self._grad_full
+
+    @property
+    def grad_shard(self) -> Optional[torch.Tensor]:
+        """The owned range of the reduced gradient (None for frozen groups)."""
+        self._allocate_grads()
+        return self._grad_shard
+
+    def zero_grads(self) -> None:
+        """Zero the gradient accumulator, if it exists yet."""
+        if self._grad_full is not None:
+            self._grad_full.zero_()
+        elif self._grad_shard is not None:
+            self._grad_shard.zero_()
 
     @property
     def master_is_shard(self) -> bool:
@@ -148,7 +179,7 @@ class FlatGroup:
     def state_bytes(self) -> Dict[str, int]:
         """Bytes of model states this group holds on this rank."""
         params = _bytes(self.full) if self.stage < 3 else _bytes(self.shard)
-        grads = _bytes(self.grad_full) if self.grad_full is not None else _bytes(self.grad_shard)
+        grads = _bytes(self._grad_full) if self._grad_full is not None else _bytes(self._grad_shard)
         master = 0 if (self.master is None or self.master_is_shard) else _bytes(self.master)
         trainable = params if self.plan.trainable else 0
         return {"params": params, "params_trainable": trainable, "params_frozen": params - trainable, "grads": grads,

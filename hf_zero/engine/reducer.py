@@ -198,7 +198,7 @@ class Reducer:
         self.wait()
         for st in self.states:
             g = st.group
-            (g.grad_full if g.grad_full is not None else g.grad_shard).zero_()
+            g.zero_grads()
             st.ready, st.complete, st.reduced, st.handle = 0, False, False, None
             if st.bucket is not None:
                 self.pool.give(st.bucket)
