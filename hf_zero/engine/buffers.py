@@ -66,8 +66,9 @@ class FlatGroup:
     - `master`: the owned range in the master dtype (fp32 under mixed precision); the same tensor as `shard`
       when dtypes and devices agree (pure fp32 keeps no second copy).
     - `grad_full` (stages 0/1): padded full gradient accumulator; `grad_shard`: the owned range of the reduced
-      gradient (a view of `grad_full` at stages 0/1, its own storage at 2/3). Both are allocated (zeroed) on
-      first use, the first backward, as FSDP2 does: a model just sharded or loaded holds no gradient memory.
+      gradient (a view of `grad_full` at stages 0/1, its own storage at 2/3). The engine allocates them when it
+      builds the group, except for a model read from its files: there they come with the first backward (as
+      FSDP2's do), so that loading never holds more than the parameters.
     """
 
     def __init__(self, plan: GroupPlan, params: List[nn.Parameter], stage: int, rank: int,
@@ -112,7 +113,8 @@ class FlatGroup:
                     owned.to(device=master_device, dtype=master_dtype).clone(), device)
 
     # ---------------------------------------------------------------- gradients (allocated on first use)
-    def _allocate_grads(self) -> None:
+    def allocate_grads(self) -> None:
+        """Allocate the (zeroed) gradient accumulator now, if it does not exist yet."""
         if not self.plan.trainable or self._grad_shard is not None:
             return
         if self.stage < 2:
@@ -125,13 +127,13 @@ class FlatGroup:
     def grad_full(self) -> Optional[torch.Tensor]:
         """Stages 0/1: the padded full gradient accumulator (None at stages 2/3 and for frozen groups)."""
         if self.stage < 2:
-            self._allocate_grads()
+            self.allocate_grads()
         return self._grad_full
 
     @property
     def grad_shard(self) -> Optional[torch.Tensor]:
         """The owned range of the reduced gradient (None for frozen groups)."""
-        self._allocate_grads()
+        self.allocate_grads()
         return self._grad_shard
 
     def zero_grads(self) -> None:

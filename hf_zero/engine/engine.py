@@ -177,6 +177,8 @@ class ZeroEngine:
             groups.append(FlatGroup(gp, members, cfg.stage, rank, self.device, master_dtype, master_device, accum,
                                     full, shard_device, offload_master=cfg.offload_optimizer == "cpu",
                                     values_lo=lo))
+            if loader is None:  # a model read from its files gets its gradients at the first backward (peak)
+                groups[-1].allocate_grads()
             del full
         return groups
 
