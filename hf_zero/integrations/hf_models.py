@@ -57,6 +57,25 @@ def meta_model(path_or_config: Any) -> nn.Module:
         return causal_lm_from_config(config_from_path(path_or_config))
 
 
+def auto_causal_lm() -> Any:
+    """`AutoModelForCausalLM` itself (for tools that call its from_pretrained, as the peers they measure do)."""
+    return AutoModelForCausalLM
+
+
+def deepspeed_zero3_config(ds_config: Dict[str, Any]) -> Any:
+    """Transformers' HfDeepSpeedConfig: while the returned object lives, from_pretrained builds under zero.Init."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(ds_config)
+
+
+def rope_init_function(rope_type: str) -> Callable:
+    """Transformers' function that computes a rotary embedding's `inv_freq` for `rope_type`."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS[rope_type]
+
+
 def activation_function(name: Any) -> Optional[Callable]:
     """Transformers' activation module for `name` (config.hidden_act and friends), or None if it has none."""
     if not isinstance(name, str) or name not in ACT2FN:

@@ -43,8 +43,8 @@ parameter bytes per rank, and for hf_zero the rank's shard bytes and the largest
 (hf_zero's model states before the first step are the parameter shard and the zeroed gradient shard, which
 shard_model allocates; the fp32 master is the shard itself; Adam's states come with the first step).
 
-This module imports Transformers itself (inside the worker functions) for `AutoModelForCausalLM` and
-`HfDeepSpeedConfig`: the peers need Transformers' own loading path.
+The peers need Transformers' own loading path (`AutoModelForCausalLM`, `HfDeepSpeedConfig`): load_systems.py
+reaches it through integrations/hf_models.py.
 """
 from __future__ import annotations
 

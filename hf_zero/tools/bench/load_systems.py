@@ -1,8 +1,8 @@
 """The load paths `hf-zero bench --load` measures (load.py runs and reports them): hf_zero stages 0-3, FSDP2 the
 torchtitan way, DeepSpeed ZeRO through Transformers' own from_pretrained; and the checks of what each loaded.
 
-Transformers is imported inside the functions: the peers need Transformers' own loading path (FSDP2's meta build,
-DeepSpeed's HfDeepSpeedConfig), which is why this tool, unlike the training bench, reaches it directly.
+Transformers is reached inside the functions: the peers need Transformers' own loading path (FSDP2's meta build,
+DeepSpeed's HfDeepSpeedConfig), reached through integrations/hf_models.py like every Transformers call of the tools.
 """
 from __future__ import annotations
 
@@ -124,9 +124,9 @@ def _recompute_rotary_buffers(model) -> int:
         rope_type = getattr(module, "rope_type", "default")
         fn = getattr(module, "compute_default_rope_parameters", None) if rope_type == "default" else None
         if fn is None:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            from ...integrations.hf_models import rope_init_function
 
-            fn = ROPE_INIT_FUNCTIONS[rope_type]
+            fn = rope_init_function(rope_type)
         inv_freq, scaling = fn(module.config)
         with torch.no_grad():
             module.inv_freq.copy_(inv_freq)
@@ -166,12 +166,11 @@ class HfZeroLoad(Loaded):
         self.job, self.stage, self.device, self.config = job, stage, device, config
 
     def prepare(self) -> None:
-        from transformers import AutoModelForCausalLM
-
         from ... import ZeroConfig, shard_model
+        from ...integrations.hf_models import auto_causal_lm
         from ...integrations.pretrained import from_pretrained
 
-        self._fns = (AutoModelForCausalLM, ZeroConfig, shard_model, from_pretrained)
+        self._fns = (auto_causal_lm(), ZeroConfig, shard_model, from_pretrained)
 
     def load(self) -> None:
         import torch
@@ -283,8 +282,8 @@ class DeepSpeedLoad(Loaded):
         local_rank = ctx.device.index if ctx.device.type == "cuda" else ctx.rank
         os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(local_rank))
         import deepspeed
-        from transformers import AutoModelForCausalLM
-        from transformers.integrations import HfDeepSpeedConfig
+
+        from ...integrations.hf_models import auto_causal_lm, deepspeed_zero3_config
 
         from .deepspeed import deepspeed_config
 
@@ -306,7 +305,7 @@ class DeepSpeedLoad(Loaded):
                 pass
         self.ds_config = deepspeed_config(ctx, self.stage)
         self.version = deepspeed.__version__
-        self._fns = (deepspeed, AutoModelForCausalLM, HfDeepSpeedConfig)
+        self._fns = (deepspeed, auto_causal_lm(), deepspeed_zero3_config)
 
     def load(self) -> None:
         import torch
