@@ -223,7 +223,7 @@ def deepspeed_config(ctx: WorkerContext, stage: int) -> Dict[str, Any]:
     }
 
 
-def _prepare_process(ctx: WorkerContext) -> None:
+def prepare_process(ctx: WorkerContext) -> None:
     """This worker's environment for DeepSpeed: its accelerator, rank variables, and stdout kept for the table."""
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # DeepSpeed logs to stdout; `--json -` owns the parent's
@@ -235,7 +235,7 @@ def _prepare_process(ctx: WorkerContext) -> None:
     os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(local_rank))
 
 
-def _skip_shm_op_build() -> None:
+def skip_shm_op_build() -> None:
     """Keep DeepSpeed from JIT-compiling its shared-memory all-reduce op on CPU (about 40 s of g++ per fresh
     TORCH_EXTENSIONS_DIR). The op serves `inference_all_reduce` only, and stays inactive unless LOCAL_SIZE is
     set, so training is the same without it. If this DeepSpeed has no such table, it builds as usual."""
@@ -254,13 +254,13 @@ class DeepSpeedTrainer(Trainer):
     def __init__(self, model, ctx: WorkerContext, stage: int) -> None:
         import torch
 
-        _prepare_process(ctx)
+        prepare_process(ctx)
         self.counter = CollectiveCounter()
         self.counter.install()  # before `import deepspeed`: see CollectiveCounter
         import deepspeed
 
         if ctx.device.type == "cpu":
-            _skip_shm_op_build()
+            skip_shm_op_build()
         deepspeed.init_distributed(dist_backend="gloo" if ctx.device.type == "cpu" else "nccl")
         self.ctx = ctx
         optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.settings.lr)

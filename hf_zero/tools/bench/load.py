@@ -64,7 +64,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .base import Settings, WorkerContext, cpu_count, extensions_dir, init_worker_group
 from .load_systems import DeepSpeedLoad, FSDP2Load, HfZeroLoad, Loaded, LoadJob, weight_files
 from .runner import build_config, load_model_config, log
-from .spawn import error_summary, first_error, spawn
+from .spawn import error_summary, first_error, spawn, worker_done, worker_failed
 
 # Presets only big enough to see loading memory; for manual runs (minutes on a CPU).
 LOAD_PRESETS: Dict[str, Dict[str, Any]] = {
@@ -226,23 +226,9 @@ def _worker(rank: int, world: int, port: int, system: str, job: LoadJob, out_dir
                             grad_accum=1, mixed_precision="no", num_processes=world, lr=job.lr, seed=0,
                             timeout_s=job.timeout_s, threads_per_rank=job.threads_per_rank)
         result = _measure(system, WorkerContext(rank, world, device, settings), job)
-        if rank == 0:
-            path = os.path.join(out_dir, "result.json")
-            with open(path + ".tmp", "w") as f:
-                json.dump(result, f)
-            os.replace(path + ".tmp", path)
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
     except BaseException:
-        with open(os.path.join(out_dir, f"error_rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no interpreter teardown (gloo threads; see runner._worker)
+        worker_failed(rank, out_dir)
+    worker_done(rank, out_dir, result)
 
 
 # ====================================================================================================== parent

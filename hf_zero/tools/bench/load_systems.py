@@ -10,7 +10,6 @@ import contextlib
 import gc
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
@@ -271,29 +270,16 @@ class DeepSpeedLoad(Loaded):
         self.job, self.stage, self.ctx, self.config = job, stage, ctx, config
 
     def prepare(self) -> None:
-        import warnings
+        from .deepspeed import deepspeed_config, prepare_process, skip_shm_op_build
 
         ctx = self.ctx
-        sys.stdout.flush()
-        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # DeepSpeed logs to stdout; `--json -` owns the parent's
-        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-        if ctx.device.type == "cpu":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        local_rank = ctx.device.index if ctx.device.type == "cuda" else ctx.rank
-        os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(local_rank))
+        prepare_process(ctx)
         import deepspeed
 
         from ...integrations.hf_models import auto_causal_lm, deepspeed_zero3_config
 
-        from .deepspeed import deepspeed_config
-
         if ctx.device.type == "cpu":
-            try:  # no JIT build of the shared-memory all-reduce op (inference only; see deepspeed.py)
-                import deepspeed.ops
-
-                deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-            except (AttributeError, ImportError, TypeError):
-                pass
+            skip_shm_op_build()
         deepspeed.init_distributed(dist_backend="gloo" if ctx.device.type == "cpu" else "nccl")
         import importlib
 

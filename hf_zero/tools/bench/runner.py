@@ -30,12 +30,11 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .base import Settings, Trainer, WorkerContext, init_worker_group
-from .spawn import error_summary, first_error, spawn
+from .spawn import error_summary, first_error, spawn, worker_done, worker_failed
 from .trainers import DDPTrainer, FSDP2Trainer, HfZeroTrainer, ZeroRedundancyTrainer
 
 HF_ZERO_PREFIX = "zero"  # zero0..zero3 are hf_zero; their failure makes the exit code non-zero
@@ -290,25 +289,9 @@ def _worker(rank: int, world_size: int, port: int, system: str, settings: Settin
         device = init_worker_group(rank, world_size, port, settings.threads_per_rank, settings.timeout_s)
         ctx = WorkerContext(rank, world_size, device, settings)
         result = _train(system, ctx)
-        if rank == 0:
-            path = os.path.join(out_dir, "result.json")
-            with open(path + ".tmp", "w") as f:
-                json.dump(result, f)
-            os.replace(path + ".tmp", path)
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
     except BaseException:
-        with open(os.path.join(out_dir, f"error_rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        sys.stderr.flush()
-        os._exit(1)  # peers blocked in a collective with this rank fail on the closed connection
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown: destroying the process group's and the store's C++ threads at exit sometimes
-    # aborts ("terminate called without an active exception") after the work is done.
-    os._exit(0)
+        worker_failed(rank, out_dir)
+    worker_done(rank, out_dir, result)
 
 
 # ====================================================================================================== parent

@@ -1,9 +1,12 @@
 """Bench workers: spawn one group of processes, wait for it with a bound, and read back what failed first."""
 from __future__ import annotations
 
+import json
 import multiprocessing.connection
 import os
+import sys
 import time
+import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ERROR_GRACE_S = 20  # after one rank died, how long its peers get to fail on their own before being killed
@@ -70,3 +73,32 @@ def error_summary(error: str) -> str:
     rank = error.split(":", 1)[0] if error.startswith("rank ") else ""
     text = f"{rank}: {lines[-1]}" if rank and lines else (lines[-1] if lines else error)
     return text if len(text) <= 160 else text[:157] + "..."
+
+
+def worker_done(rank: int, out_dir: str, result: Any) -> None:
+    """A worker's normal end: rank 0 writes `result` (atomically), every rank leaves the group and exits 0 without
+    interpreter teardown (destroying the group's and store's C++ threads at exit sometimes aborts after the work)."""
+    try:
+        if rank == 0:
+            path = os.path.join(out_dir, "result.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(result, f)
+            os.replace(path + ".tmp", path)
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        worker_failed(rank, out_dir)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def worker_failed(rank: int, out_dir: str) -> None:
+    """A worker's failure: its traceback to error_rank{rank}.txt (first_error reads it), then exit 1 at once, so
+    that peers blocked in a collective with it fail on the closed connection."""
+    with open(os.path.join(out_dir, f"error_rank{rank}.txt"), "w") as f:
+        f.write(traceback.format_exc())
+    sys.stderr.flush()
+    os._exit(1)
