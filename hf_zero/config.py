@@ -44,6 +44,15 @@ class ZeroConfig:
         offload_params: "none" or "cpu" (stage 3 only): keep parameter shards in CPU memory.
         optimizer_is_elementwise: declare an optimizer class hf_zero does not know to be element-wise (it then runs
             on 1-D segments of the shard); None means "only the known element-wise torch optimizers".
+        shard_group_size: hierarchical partitioning (HSDP / MiCS): partition over groups of K consecutive ranks
+            (one host) and replicate across the N/K groups, so every all-gather and reduce-scatter stays inside a
+            group and only the gradient shard's all-reduce crosses groups. An integer K that divides the world
+            size, or "host" for the ranks per host (LOCAL_WORLD_SIZE). None (default), 1 or N: the plain stage.
+            Stages 1-3.
+        hpz_partition_size: ZeRO++ hpZ (stage 3): optimizer states and gradients stay partitioned over all N
+            ranks; after a unit's forward all-gather each rank keeps a secondary shard of its parameters
+            partitioned over its group of K ranks (one host), so the backward all-gather stays inside the host.
+            Costs Ψ/K compute-dtype elements per rank. K or "host", as for shard_group_size; None, 1 or N: off.
         debug_collectives: before every collective, all-gather a fingerprint (kind, unit, size, call index) and
             raise with both sides' descriptions if ranks disagree, instead of hanging.
         initial_loss_scale / loss_scale_growth_interval / loss_scale_factor / min_loss_scale: fp16 dynamic scaler.
@@ -60,6 +69,8 @@ class ZeroConfig:
     offload_optimizer: str = "none"
     offload_params: str = "none"
     optimizer_is_elementwise: Optional[bool] = None
+    shard_group_size: Optional[Union[int, str]] = None
+    hpz_partition_size: Optional[Union[int, str]] = None
     debug_collectives: bool = False
     initial_loss_scale: float = 2.0**16
     loss_scale_growth_interval: int = 2000
@@ -104,6 +115,26 @@ class ZeroConfig:
                 f"offload_params={self.offload_params!r} needs stage 3 (parameters are only partitioned at stage 3); "
                 f"got stage={self.stage}. Use stage=3 or offload_params='none'."
             )
+        for name in ("shard_group_size", "hpz_partition_size"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.lower() == "host":
+                setattr(self, name, "host")
+            elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ZeroConfigError(f"{name}={value!r} must be a positive number of ranks that divides the world "
+                                      f"size, \"host\" (the ranks per host) or None (off)")
+        if self.shard_group_size is not None and self.hpz_partition_size is not None:
+            raise ZeroConfigError(
+                f"shard_group_size={self.shard_group_size!r} and hpz_partition_size={self.hpz_partition_size!r} "
+                f"are two ways of keeping all-gathers inside a host; choose one (HSDP partitions K ways and "
+                f"replicates, hpZ keeps the N-way partition and adds a K-way secondary copy of the parameters)")
+        if self.hpz_partition_size is not None and self.stage != 3:
+            raise ZeroConfigError(
+                f"hpz_partition_size={self.hpz_partition_size!r} needs stage 3 (it partitions the parameters a second "
+                f"time, and only stage 3 partitions them); got stage={self.stage}. For stages 1-2 use "
+                f"shard_group_size, or drop the option.")
+        if self.shard_group_size is not None and self.stage == 0:
+            raise ZeroConfigError(
+                f"shard_group_size={self.shard_group_size!r} needs stage 1-3 (stage 0 partitions nothing)")
         if self.initial_loss_scale <= 0 or self.loss_scale_factor <= 1 or self.loss_scale_growth_interval < 1:
             raise ZeroConfigError("loss scaler: initial_loss_scale > 0, loss_scale_factor > 1, growth_interval >= 1")
 

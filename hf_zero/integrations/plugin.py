@@ -46,6 +46,9 @@ class ZeroPlugin:
             data_parallel_group, the group ZeRO shards over (default: all ranks). Runtime objects, not in YAML.
         grad_accum_dtype: "fp32" | "compute".
         reduce_dtype: "fp32" | "compute" | None (default: fp32 under mixed precision); see ZeroConfig.
+        shard_group_size: HSDP / MiCS: partition within groups of K ranks ("host": one host), replicate across.
+        hpz_partition_size: ZeRO++ hpZ at stage 3: a secondary parameter shard over K ranks ("host") for the
+            backward all-gather. See ZeroConfig for both.
         debug_collectives: check every collective's fingerprint across ranks (raises instead of hanging).
     """
 
@@ -59,6 +62,8 @@ class ZeroPlugin:
     cpu_checkpointing: bool = False
     grad_accum_dtype: str = "fp32"
     reduce_dtype: Optional[str] = None
+    shard_group_size: Optional[Any] = None
+    hpz_partition_size: Optional[Any] = None
     debug_collectives: bool = False
     model_parallel_group: Optional[Any] = dataclasses.field(default=None, repr=False, compare=False)
     data_parallel_group: Optional[Any] = dataclasses.field(default=None, repr=False, compare=False)
@@ -85,6 +90,7 @@ class ZeroPlugin:
             stage=self.stage, mixed_precision=mixed_precision, grad_accum_dtype=self.grad_accum_dtype,
             reduce_dtype=self.reduce_dtype, reduce_bucket_size=self.reduce_bucket_size, allgather_bucket_size=self.allgather_bucket_size,
             prefetch=self.prefetch, offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
+            shard_group_size=self.shard_group_size, hpz_partition_size=self.hpz_partition_size,
             debug_collectives=self.debug_collectives,
         )
 
