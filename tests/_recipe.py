@@ -72,9 +72,11 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
                  grad_accum_dtype: str = "fp32", checkpointing: bool = False, bucket_size: Optional[int] = None,
                  probe_step: Optional[int] = None, zero_checkpointing: Optional[tuple] = None,
                  offload_optimizer: str = "none", offload_params: str = "none",
-                 sync_every_micro_batch: bool = False) -> Dict[str, Any]:
+                 sync_every_micro_batch: bool = False, zero_options: Optional[dict] = None,
+                 stray_forward: bool = False) -> Dict[str, Any]:
     """The recipe through hf_zero on this rank (`sync_every_micro_batch`: never enter no_sync(), so stages 0/1
-    reduce after every micro-batch and accumulate on top of reduced sums).  Records per-step comm_stats (reset at each step's start, read
+    reduce after every micro-batch and accumulate on top of reduced sums; `stray_forward`: before each step, one
+    more forward with grad enabled whose loss is never backpropagated, as a metric computed in train mode would be).  Records per-step comm_stats (reset at each step's start, read
     after optimizer.step/zero_grad); at `probe_step` (0-based), after the last backward and before clipping,
     records memory_stats and independent byte counts of the tensors the engine holds."""
     from hf_zero import ZeroConfig, shard_model
@@ -98,7 +100,7 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
     opt = models.make_optimizer(model)
     kw = {} if bucket_size is None else {"reduce_bucket_size": bucket_size, "allgather_bucket_size": bucket_size}
     cfg = ZeroConfig(stage=stage, mixed_precision=mixed_precision, grad_accum_dtype=grad_accum_dtype,
-                     offload_optimizer=offload_optimizer, offload_params=offload_params, **kw)
+                     offload_optimizer=offload_optimizer, offload_params=offload_params, **kw, **(zero_options or {}))
     engine = shard_model(model, opt, cfg)
     out: Dict[str, Any] = {"init_fp": init_fp, "same_model": engine.model is model, "losses": [], "norms": [],
                            "norm_is_tensor": [], "comm": [], "memory": None}
@@ -114,6 +116,8 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
                 loss = engine.model(input_ids=x, labels=x).loss
                 engine.backward(loss / accum)
             total += loss.item()
+        if stray_forward:
+            engine.model(input_ids=x, labels=x).loss.detach()
         if step == probe_step:
             out["memory"] = {"stats": dict(engine.memory_stats()), **held_tensor_bytes(engine)}
         norm = engine.clip_grad_norm_(1.0)

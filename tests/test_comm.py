@@ -78,8 +78,11 @@ def test_ledger_books_the_logical_collective(dist_results, world_size):
     n = CHUNK * world_size
     for res in dist_results(world_size, "collectives"):
         ledger = res["ledger"]
-        assert ledger["reduce_scatter"] == {"calls": 2, "elements": 2 * n, "bytes": 2 * n * 4}
-        assert ledger["all_gather"] == {"calls": 2, "elements": 2 * n, "bytes": 2 * n * 4}
+        # one host: every element is intra-host
+        want = {"calls": 2, "elements": 2 * n, "bytes": 2 * n * 4, "intra_elements": 2 * n, "intra_bytes": 2 * n * 4,
+                "inter_elements": 0, "inter_bytes": 0}
+        assert ledger["reduce_scatter"] == want
+        assert ledger["all_gather"] == want
 
 
 @pytest.mark.parametrize("backend,expected", [

@@ -23,6 +23,9 @@ def scenarios_for(world_size):
     if world_size == EXTRA_WORLD:
         sc += [(f"{kind}-full-s3-ckpt", engine_train, dict(kind=kind, stage=3, checkpointing=True))
                for kind in models.KINDS]
+        # a forward with grad that no backward follows (a metric in train mode) leaves units gathered over the step
+        sc += [(f"{kind}-full-s3-stray", engine_train, dict(kind=kind, stage=3, stray_forward=True))
+               for kind in models.KINDS]
         sc += [(f"{kind}-{variant}-s{stage}", engine_train, dict(kind=kind, variant=variant, stage=stage))
                for variant in ("frozen_emb", "lora") for kind in models.KINDS for stage in STAGES]
         sc += [(f"{kind}-full-s{stage}-sync-every", engine_train, dict(kind=kind, stage=stage,
@@ -115,6 +118,13 @@ def test_stage3_activation_checkpointing_matches_reference(dist_results, kind):
     calls = [res["layer_calls_per_micro_batch"] for res in ranks]
     assert calls == [2.0] * EXTRA_WORLD, f"decoder layers ran {calls} times per micro-batch: no recomputation"
     check_against_reference(ranks, reference_train(kind, "full", STEPS, ACCUM), EXTRA_WORLD)
+
+
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_stage3_forward_without_backward_before_the_step(dist_results, kind):
+    """A unit left gathered by a forward no backward followed is gathered again after the step changed it."""
+    check_against_reference(dist_results(EXTRA_WORLD, f"{kind}-full-s3-stray"),
+                            reference_train(kind, "full", STEPS, ACCUM), EXTRA_WORLD)
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -79,6 +79,7 @@ class FlatGroup:
         self.device = device
         self.lo, self.hi = plan.owned_range(rank)
         self.gathered = stage < 3
+        self.version = 0  # bumped whenever the shard's values change (hpZ: secondary slices cut before are stale)
         # `values`: the initial flat values from element `values_lo` on (the whole padded buffer, or at stage 3
         # possibly just the owned range, when the weights were read straight into shards)
         owned = values[self.lo - values_lo:self.hi - values_lo]
@@ -175,6 +176,7 @@ class FlatGroup:
 
     def write_master_to_shard(self) -> None:
         """After the optimizer step: the updated master range becomes the compute-dtype parameter range."""
+        self.version += 1
         if self.master is not None and not self.master_is_shard:
             self.shard.copy_(self.master, non_blocking=True)
 

@@ -4,6 +4,11 @@ Counting follows the paper: an all-gather or reduce-scatter of a Ψ-element (ful
 rank, an all-reduce 2Ψ. Scalar control traffic (grad norm, fp16 overflow flag) goes to the "control" kind so
 the data ledger can be checked against 2Ψ / 3Ψ exactly.
 
+Each kind's elements are also split into intra-host and inter-host: a collective over a group that lies inside
+one host is booked intra, one over a group that spans hosts inter (the ring algorithm's view: every link of the
+ring carries the full per-rank volume, so a ring that leaves the host runs at the inter-host link's speed). The
+engine's several groups (world, HSDP partition and replica groups, hpZ host groups) share one Ledger.
+
 On gloo the two ZeRO collectives are issued as their per-chunk halves: an all-gather as one broadcast per
 rank of its chunk, a reduce-scatter as one reduce per chunk to the rank that owns it. Both work in place on
 the caller's buffer. torch's gloo backend has no reduce-scatter of its own (it clones the input and
@@ -47,12 +52,59 @@ class Handle:
             self._on_done()
 
 
+class Chain(Handle):
+    """A collective issued when another completes (HSDP: the replicas' all-reduce of a reduce-scattered shard).
+    The second collective is issued by `wait()`, which every rank calls in the same order."""
+
+    def __init__(self, first: Handle, then: Callable[[], Handle], on_done: Optional[Callable[[], None]] = None):
+        super().__init__(None, on_done)
+        self._first, self._then = first, then
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self._first.wait()
+        self._then().wait()
+        self.done = True
+        if self._on_done is not None:
+            self._on_done()
+
+
+class Ledger:
+    """Calls, elements (paper counting) and bytes per collective kind, each split into intra- and inter-host."""
+
+    KEYS = ("calls", "elements", "bytes", "intra_elements", "inter_elements", "intra_bytes", "inter_bytes")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.stats: Dict[str, Dict[str, int]] = defaultdict(lambda: dict.fromkeys(Ledger.KEYS, 0))
+
+    def record(self, kind: str, elements: int, element_size: int, inter_host: bool) -> None:
+        entry = self.stats[kind]
+        where = "inter" if inter_host else "intra"
+        entry["calls"] += 1
+        for prefix in ("", f"{where}_"):
+            entry[f"{prefix}elements"] += elements
+            entry[f"{prefix}bytes"] += elements * element_size
+
+    def snapshot(self) -> Dict[str, Dict[str, int]]:
+        out = {k: dict(v) for k, v in self.stats.items()}
+        out["total"] = {key: sum(v[key] for k, v in self.stats.items() if k in DATA_KINDS) for key in Ledger.KEYS}
+        return out
+
+
 class Comm:
-    """The process group the engine talks over. Without torch.distributed initialised it is a one-rank world."""
+    """The process group the engine talks over. Without torch.distributed initialised it is a one-rank world.
+
+    `spans_hosts`: whether the group's ranks run on more than one host (set by the topology; books the ledger's
+    inter-host column)."""
 
     _instances = 0
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, debug: bool = False, debug_timeout_s: float = 120):
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, debug: bool = False, debug_timeout_s: float = 120,
+                 ledger: Optional[Ledger] = None):
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group
         self.rank = dist.get_rank(group) if self.distributed else 0
@@ -68,28 +120,27 @@ class Comm:
                                for r in range(self.world_size)] if self.distributed else [0])
         # ...and the group's members tell apart the engines of different subgroups (tp x dp meshes)
         self._prefix = f"hfz/{Comm._instances}/{'-'.join(map(str, self._global_ranks))}"
-        self.reset_stats()
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.spans_hosts = False
 
     def global_rank(self, rank: int) -> int:
         """The global rank of this group's `rank` (what torch.distributed's `src`/`dst` arguments take)."""
         return self._global_ranks[rank]
 
     # ------------------------------------------------------------------ ledger
+    @property
+    def global_ranks(self) -> List[int]:
+        """The group's members as global ranks, in group-rank order."""
+        return list(self._global_ranks)
+
     def reset_stats(self) -> None:
-        self.stats: Dict[str, Dict[str, int]] = defaultdict(lambda: {"calls": 0, "elements": 0, "bytes": 0})
+        self.ledger.reset()
 
     def _record(self, kind: str, elements: int, element_size: int) -> None:
-        entry = self.stats[kind]
-        entry["calls"] += 1
-        entry["elements"] += elements
-        entry["bytes"] += elements * element_size
+        self.ledger.record(kind, elements, element_size, self.spans_hosts)
 
     def snapshot(self) -> Dict[str, Dict[str, int]]:
-        out = {k: dict(v) for k, v in self.stats.items()}
-        out["total"] = {
-            key: sum(v[key] for k, v in self.stats.items() if k in DATA_KINDS) for key in ("calls", "elements", "bytes")
-        }
-        return out
+        return self.ledger.snapshot()
 
     # ------------------------------------------------------------------ debug
     def _check(self, kind: str, tag: str, numel: int) -> None:

@@ -27,6 +27,7 @@ from .optimizer import ZeroOptimizer, check_elementwise
 from .planning import ShardPlan, find_unit_modules, plan_model
 from .reducer import Reducer
 from .scaler import LossScaler
+from .topology import Topology, build_topology
 from .weights import WeightsError
 
 logger = logging.getLogger("hf_zero")
@@ -53,21 +54,24 @@ class ZeroEngine:
                  weights: Weights = None) -> None:
         self.config = config = config if config is not None else ZeroConfig()
         self.model = model
-        self.comm = Comm(process_group, debug=config.debug_collectives)
+        self.topology: Topology = build_topology(process_group, config)
+        self.comm: Comm = self.topology.world  # every rank: start-up broadcasts, agreements, the ledger
+        self.partition_comm: Comm = self.topology.partition  # the ranks a shard is split over
         record = resolve_weights(weights, model)  # (PretrainedWeights, name prefix) or None
         self.device = (torch.device(device) if device is not None
                        else _default_device(model, process_group, record is not None))
         if self.device.type == "cpu":
             self.device = torch.device("cpu")  # Accelerate says "cpu:0"; CPU tensors report "cpu"
         self._check_optimizer(model, optimizer)
-        self.plan: ShardPlan = plan_model(model, self.comm.world_size, config)
+        self.plan: ShardPlan = plan_model(model, self.comm.world_size, config, self.partition_comm.world_size)
         self.pool = BufferPool()
         self.groups = self._load(record) if record is not None else None
         if self.groups is None:
             self._move_buffers()
             self.groups = self._build_groups()
         self.reducer = Reducer(
-            self.groups, config.stage, self.comm, self.pool, max_inflight_bytes=4 * config.reduce_bucket_size,
+            self.groups, config.stage, self.partition_comm, self.pool, max_inflight_bytes=4 * config.reduce_bucket_size,
+            replicas=self.topology.replicas, world_size=self.comm.world_size,
             reduce_dtype=config.reduce_torch_dtype, on_launch=self._on_group_launched, on_backward_end=self._on_backward_end,
         )
         self.gathered = GatheredBytes()
@@ -77,7 +81,8 @@ class ZeroEngine:
         elif config.compute_dtype is not None and any(g.plan.trainable for g in self.groups):
             model.register_state_dict_pre_hook(self._warn_compute_copy)
         self._allow_state_dict = False
-        self.optimizer = ZeroOptimizer(optimizer, self.groups, self.reducer, self.comm, config, self.device)
+        self.optimizer = ZeroOptimizer(optimizer, self.groups, self.reducer, self.partition_comm, config, self.device,
+                                       world=self.comm)
         self.comm.reset_stats()  # the start-up broadcast is not training traffic
         # A collective still in flight when the interpreter exits aborts the process (gloo's worker thread):
         # wait for them at exit.
@@ -151,7 +156,7 @@ class ZeroEngine:
         return groups
 
     def _build_groups(self, loader: Optional[ShardLoader] = None) -> List[FlatGroup]:
-        cfg, rank = self.config, self.comm.rank
+        cfg, rank = self.config, self.partition_comm.rank
         params = dict(self.model.named_parameters())
         master_device = torch.device("cpu") if cfg.offload_optimizer == "cpu" else self.device
         shard_device = torch.device("cpu") if cfg.offload_params == "cpu" else self.device
@@ -184,17 +189,18 @@ class ZeroEngine:
 
     def _build_gatherer(self) -> Gatherer:
         modules = dict([("", self.model)] + find_unit_modules(self.model, self.config.units))
-        units = [Unit(u.index, u.name, modules[u.name], [self.groups[i] for i in u.groups], self.comm, self.gathered,
-                      is_root=(u.name == "")) for u in self.plan.units]
+        units = [Unit(u.index, u.name, modules[u.name], [self.groups[i] for i in u.groups], self.partition_comm,
+                      self.gathered, is_root=(u.name == ""), secondary=self.topology.secondary)
+                 for u in self.plan.units]
         return Gatherer(units, self.config.prefetch, self.gathered,
                         on_backward_start=self.reducer.queue_end_of_backward)
 
     def _log_plan(self) -> None:
         mem = self.memory_stats()
         logger.info(
-            "hf_zero: %s; reduce bucket %d B, all-gather bucket %d B, prefetch %d; model states on this rank: "
+            "hf_zero: %s; %s; reduce bucket %d B, all-gather bucket %d B, prefetch %d; model states on this rank: "
             "%.1f MiB (params %.1f, grads %.1f, master %.1f, optimizer %.1f)",
-            self.plan.describe(), self.config.reduce_bucket_size, self.config.allgather_bucket_size,
+            self.plan.describe(), self.topology.describe(), self.config.reduce_bucket_size, self.config.allgather_bucket_size,
             self.config.prefetch, mem["model_states"] / 2**20, mem["params"] / 2**20, mem["grads"] / 2**20,
             mem["master"] / 2**20, mem["optimizer_states"] / 2**20,
         )
@@ -287,8 +293,10 @@ class ZeroEngine:
         out["comm_buffers_peak"] = self.pool.peak_bytes
         out["comm_buffer_allocations"] = self.pool.allocations  # M_D: stops growing after the first step
         out["gathered_params_peak"] = self.gathered.peak
+        out["hpz_secondary"] = self.gathered.secondary  # hpZ's host-group slices kept for the backward
+        out["hpz_secondary_peak"] = self.gathered.secondary_peak
         out["gathered_params"] = sum(g.gathered_bytes for g in self.groups)
-        out["buffers"] = out["module_buffers"] + out["comm_buffers"] + out["gathered_params"]
+        out["buffers"] = out["module_buffers"] + out["comm_buffers"] + out["gathered_params"] + out["hpz_secondary"]
         out["total"] = out["model_states"] + out["buffers"]
         return out
 
@@ -316,7 +324,7 @@ class ZeroEngine:
             else:
                 local = src.to(self.device)
                 full = torch.empty(g.plan.padded_numel, dtype=local.dtype, device=self.device)
-                self.comm.all_gather(full, local, f"full_state_dict group {g.plan.index}", async_op=False)
+                self.partition_comm.all_gather(full, local, f"full_state_dict group {g.plan.index}", async_op=False)
             if rank0:
                 for slot in g.plan.slots:
                     view = full[slot.offset:slot.offset + slot.numel].view(slot.shape)

@@ -12,6 +12,12 @@ Hooks per unit module:
 - release after backward: when the unit's trainable groups have been handed to the reducer and the backward
   has reached the unit's inputs; whatever is left is released when autograd finishes.
 
+hpZ (ZeRO++'s hierarchical partition): when a unit is released after a forward that a backward will follow, each
+rank first keeps its slice of the gathered parameters over its host group (the secondary shard, 1/K of the unit);
+the backward's all-gather (and a recomputation's) then runs inside the host from those slices. The secondary shard
+goes at the release after the backward, at the end of the backward, and is never used once the step has
+changed the shards (each group's `version`).
+
 Transformers checkpoints a layer's `forward`, not its `__call__`, so these hooks do not run again during
 recomputation; the gradient hook on the outputs has already gathered the parameters by then. A checkpoint around
 the unit's `__call__` (user code, torch.utils.checkpoint with either `use_reentrant`) runs the forward hooks
@@ -22,7 +28,7 @@ is the one the backward runs through).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -33,14 +39,20 @@ from .comm import Comm, Handle, wait_all
 
 
 class GatheredBytes:
-    """Bytes of full (gathered) parameters materialised now and at most (memory_stats' gathered_params_peak)."""
+    """Bytes of full (gathered) parameters materialised now and at most (memory_stats' gathered_params_peak), and
+    the same for hpZ's secondary shards."""
 
     def __init__(self) -> None:
         self.now = self.peak = 0
+        self.secondary = self.secondary_peak = 0
 
     def add(self, nbytes: int) -> None:
         self.now += nbytes
         self.peak = max(self.peak, self.now)
+
+    def add_secondary(self, nbytes: int) -> None:
+        self.secondary += nbytes
+        self.secondary_peak = max(self.secondary_peak, self.secondary)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -64,9 +76,14 @@ class Unit:
     SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
 
     def __init__(self, index: int, name: str, module: nn.Module, groups: List[FlatGroup], comm: Comm,
-                 meter: GatheredBytes, is_root: bool = False) -> None:
+                 meter: GatheredBytes, is_root: bool = False, secondary: Optional[Comm] = None) -> None:
         self.index, self.name, self.module, self.groups = index, name or "<root>", module, groups
         self.comm, self.meter = comm, meter
+        # hpZ: the host group, and this rank's slice of each group over it (with the shard version it was cut at)
+        self.secondary = secondary if secondary is not None and not is_root else None
+        self._slices: Optional[List[torch.Tensor]] = None
+        self._versions: List[int] = []
+        self._gathered_at: List[int] = []  # the shards' versions the current gather was made from
         self.state = Unit.SHARDED
         self.handles: List[Handle] = []
         self.in_backward = False
@@ -79,13 +96,47 @@ class Unit:
     def issue_gather(self) -> None:
         if self.state != Unit.SHARDED:
             return
-        for group in self.groups:
+        if self._slices is not None and self._versions != [g.version for g in self.groups]:
+            self.drop_secondary()  # the step changed the shards since the slices were cut
+        for i, group in enumerate(self.groups):
             full = group.alloc_full()
             self.meter.add(group.gathered_bytes)
+            if self._slices is not None:  # hpZ: inside the host, from the secondary slices
+                self.handles.append(self.secondary.all_gather(full, self._slices[i],
+                                                              f"params of unit {self.name} (hpZ)"))
+                continue
             local = full[group.lo:group.hi]
             local.copy_(group.shard, non_blocking=True)  # from CPU when parameters are offloaded
             self.handles.append(self.comm.all_gather(full, local, f"params of unit {self.name}"))
         self.state = Unit.GATHERING
+        self._gathered_at = [g.version for g in self.groups]
+
+    def refresh(self) -> None:
+        """Before a forward: a unit still gathered from a forward that no backward followed (the root, or a
+        metric computed with grad enabled), whose shards a step has changed since, is released to be gathered
+        again."""
+        if (self.state != Unit.SHARDED and not self.pinned and not self.in_backward
+                and self._gathered_at != [g.version for g in self.groups]):
+            self.forwards_pending = 0  # those forwards' graphs can no longer be backpropagated into this unit
+            self.release()
+
+    def keep_secondary(self) -> None:
+        """hpZ: keep this rank's slice of every gathered group over the host group (before a release that a
+        backward will follow)."""
+        if self.secondary is None or self._slices is not None or self.state != Unit.GATHERED:
+            return
+        k, j = self.secondary.world_size, self.secondary.rank
+        self._slices = []
+        for group in self.groups:
+            size = group.plan.padded_numel // k
+            self._slices.append(group.full[j * size:(j + 1) * size].clone())
+            self.meter.add_secondary(size * group.full.element_size())
+        self._versions = [g.version for g in self.groups]
+
+    def drop_secondary(self) -> None:
+        if self._slices is not None:
+            self.meter.add_secondary(-sum(t.numel() * t.element_size() for t in self._slices))
+            self._slices = None
 
     def wait_gather(self) -> None:
         self.issue_gather()
@@ -121,10 +172,12 @@ class Unit:
 
     def _maybe_release_after_backward(self) -> None:
         if self.in_backward and not self.is_root and self.pending_groups <= 0 and self.forwards_pending == 0:
+            self.drop_secondary()
             self.release()
 
     def end_backward(self) -> None:
         self.in_backward, self.forwards_pending, self.pending_groups = False, 0, 0
+        self.drop_secondary()
         self.release()
 
 
@@ -171,6 +224,7 @@ class Gatherer:
                 for prev in self._next_units(unit, backward=True):
                     prev.issue_gather()
             else:
+                unit.refresh()
                 unit.wait_gather()
                 for nxt in self._next_units(unit, backward=False):
                     nxt.issue_gather()
@@ -203,6 +257,7 @@ class Gatherer:
                 for t in grad_outputs:
                     t.register_hook(pre_backward)
                 if unit is not self.root and not unit.in_backward:
+                    unit.keep_secondary()  # hpZ: the backward gathers inside the host
                     unit.release()
             else:
                 unit.release()

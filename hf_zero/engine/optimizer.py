@@ -91,8 +91,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, user_optimizer: torch.optim.Optimizer, groups: List[FlatGroup], reducer: Reducer, comm: Comm,
-                 config: ZeroConfig, device: torch.device) -> None:
+                 config: ZeroConfig, device: torch.device, world: Optional[Comm] = None) -> None:
+        # comm: the partition group (the shards' owners: norm and post-step all-gather); world: every rank (the
+        # same group unless HSDP replicates the partition)
         self.groups, self.reducer, self.comm, self.config, self.device = groups, reducer, comm, config, device
+        self.world = world if world is not None else comm
         self.scaler: Optional[LossScaler] = (
             LossScaler(config.initial_loss_scale, config.loss_scale_factor, config.loss_scale_growth_interval,
                        config.min_loss_scale)
@@ -179,7 +182,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for g in self.trainable_groups():
                 g.grad_shard.div_(self.scaler.scale)
                 found += (~torch.isfinite(g.grad_shard)).any().float()
-            self.comm.all_reduce(found, "fp16 overflow flag", async_op=False, control=True, op=dist.ReduceOp.MAX)
+            self.world.all_reduce(found, "fp16 overflow flag", async_op=False, control=True, op=dist.ReduceOp.MAX)
             self._step_ok = bool(found.item() == 0)
         self._prepared = True
         return self._step_ok
@@ -200,6 +203,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             op = dist.ReduceOp.SUM
         local = local.reshape(1).to(self.device)
         if self.config.stage >= 1:  # stage 0 holds the full, already averaged gradient on every rank
+            # over the partition group: its shards are the whole gradient (HSDP replicas hold the same ones)
             self.comm.all_reduce(local, "grad norm", async_op=False, control=True, op=op)
         total = local[0] if norm_type == float("inf") else local[0] ** (1.0 / norm_type)
         if max_norm != float("inf"):

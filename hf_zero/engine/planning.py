@@ -6,8 +6,8 @@ storage, so it runs on the meta device for any model size (the estimator uses it
 Layout: every unit (a repeated block such as ``GPT2Block``, plus one root unit for everything else) splits its
 parameters by kind (compute dtype, trainable) into flat groups. At stages 0-2 a group is also capped at the
 reduce bucket size (C_B: constant-size buckets); at stage 3 a group is a whole unit kind (one all-gather each).
-Each group is padded to a multiple of the partition size P (the world size, or 1 at stage 0) and rank r owns
-the contiguous range [r*S, (r+1)*S) with S = padded / P.
+Each group is padded to a multiple of the partition size P (the world size; K under HSDP; 1 at stage 0) and
+partition rank r owns the contiguous range [r*S, (r+1)*S) with S = padded / P.
 """
 from __future__ import annotations
 
@@ -143,10 +143,14 @@ def compute_dtype_of(param: torch.Tensor, config: ZeroConfig) -> torch.dtype:
     return param.dtype
 
 
-def plan_model(model: nn.Module, world_size: int, config: ZeroConfig) -> ShardPlan:
-    """Build the shard plan of `model` (any device, meta included) for `world_size` ranks."""
+def plan_model(model: nn.Module, world_size: int, config: ZeroConfig,
+               partition_size: Optional[int] = None) -> ShardPlan:
+    """Build the shard plan of `model` (any device, meta included) for `world_size` ranks, partitioned over
+    `partition_size` of them (default: all; HSDP: the group size K, replicated world_size / K times)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if partition_size is not None and (partition_size < 1 or world_size % partition_size):
+        raise ValueError(f"partition_size={partition_size} must divide world_size={world_size}")
     unit_modules = find_unit_modules(model, config.units)
     unit_index = {n: i + 1 for i, (n, _) in enumerate(unit_modules)}
     units = [UnitPlan(0, "", type(model).__name__)] + [
@@ -158,7 +162,7 @@ def plan_model(model: nn.Module, world_size: int, config: ZeroConfig) -> ShardPl
     for name, p in model.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), (p, []))[1].append(name)
 
-    partition = 1 if config.stage == 0 else world_size
+    partition = 1 if config.stage == 0 else (partition_size or world_size)
     # Bucket cap in elements, per compute dtype; stage 3 never splits a unit.
     groups: List[GroupPlan] = []
     members_of: Dict[int, List[Tuple[nn.Parameter, List[str]]]] = {u.index: [] for u in units}

@@ -16,6 +16,10 @@ issues every group once and in the same order even when ranks used different par
 skips: the result is DDP's with find_unused_parameters=True). The backward waits for its reductions before it
 returns, so no collective of the reducer's is left in flight. Sums are divided by the world size once, at
 `finalize()`, which only the step calls.
+
+HSDP (a partition group of K ranks, replicated): the reduce-scatter runs over the partition group, and the owned
+range it leaves is then all-reduced over the replicas (the ranks holding the same range in the other groups),
+so the shard holds the sum over all N ranks. The all-reduce is chained to the reduce-scatter's completion.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import torch
 from torch import nn
 
 from .buffers import BufferPool, FlatGroup
-from .comm import Comm, Handle
+from .comm import Chain, Comm, Handle
 
 
 class _GroupState:
@@ -51,9 +55,12 @@ class Reducer:
     def __init__(self, groups: List[FlatGroup], stage: int, comm: Comm, pool: BufferPool,
                  max_inflight_bytes: int, reduce_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: d,
                  on_launch: Optional[Callable[[FlatGroup], None]] = None,
-                 on_backward_end: Optional[Callable[[], None]] = None) -> None:
+                 on_backward_end: Optional[Callable[[], None]] = None, replicas: Optional[Comm] = None,
+                 world_size: Optional[int] = None) -> None:
         self.stage, self.comm, self.pool = stage, comm, pool
-        self.states = [_GroupState(g, reduce_dtype(g.plan.dtype) if stage >= 2 else g.plan.dtype, comm.world_size,
+        self.replicas = replicas if replicas is not None and replicas.world_size > 1 else None
+        self.world_size = world_size or comm.world_size  # N: every rank's gradient is in the sum
+        self.states = [_GroupState(g, reduce_dtype(g.plan.dtype) if stage >= 2 else g.plan.dtype, self.world_size,
                                    stage) for g in groups if g.plan.trainable]
         self.by_param: Dict[int, tuple] = {}
         for st in self.states:
@@ -122,30 +129,38 @@ class Reducer:
         g, tag = st.group, f"grads of group {st.group.plan.index} (unit {st.group.plan.unit})"
         self.finalized = False
         if self.stage == 0:
-            world = self.comm.world_size
+            world = self.world_size
             st.handle = self.comm.all_reduce(g.grad_full, tag, on_done=lambda: g.grad_full.div_(world))
         elif self.stage == 1:
             # In place: the owned range of grad_full is the gradient shard, so the sum lands where the step reads it.
             self._clear_stale(st)  # no gradient since the last reduction: contribute zeros outside the owned range
-            st.handle = self.comm.reduce_scatter(g.grad_shard, g.grad_full, tag)
+            st.handle = self._reduce(g.grad_shard, g.grad_full, tag)
             st.reduced = True
         else:
             bucket, st.bucket = st.bucket, None
             if bucket is None:  # no gradient arrived on this rank: its share of the sum is zero
                 bucket = self.pool.take(g.plan.padded_numel, st.reduce_dtype, g.device, zero=True)
             elif st.predivide:
-                bucket.div_(self.comm.world_size)
+                bucket.div_(self.world_size)
             owned = bucket[g.lo:g.hi]
 
             def done(owned=owned, bucket=bucket) -> None:
                 g.grad_shard.add_(owned)
                 self.pool.give(bucket)
 
-            st.handle = self.comm.reduce_scatter(owned, bucket, tag, on_done=done)
+            st.handle = self._reduce(owned, bucket, tag, on_done=done)
         self.inflight.append(st.handle)
         self._throttle()
         if self.on_launch is not None:
             self.on_launch(g)
+
+    def _reduce(self, out: torch.Tensor, inp: torch.Tensor, tag: str,
+                on_done: Optional[Callable[[], None]] = None) -> Handle:
+        """Reduce-scatter over the partition group; under HSDP then all-reduce the owned range over the replicas."""
+        if self.replicas is None:
+            return self.comm.reduce_scatter(out, inp, tag, on_done=on_done)
+        first = self.comm.reduce_scatter(out, inp, tag)
+        return Chain(first, lambda: self.replicas.all_reduce(out, f"{tag} across replicas"), on_done)
 
     def _throttle(self) -> None:
         """C_B: bound the bytes of buckets in flight; wait for the oldest reductions beyond it."""
@@ -187,10 +202,10 @@ class Reducer:
                 self._launch(st)
             self._unreduced = False
         self.wait()
-        if self.stage >= 1 and self.comm.world_size > 1:
+        if self.stage >= 1 and self.world_size > 1:
             for st in self.states:
                 if not st.predivide:
-                    st.group.grad_shard.div_(self.comm.world_size)
+                    st.group.grad_shard.div_(self.world_size)
         self.finalized = True
 
     def zero_grad(self) -> None:

@@ -1,0 +1,156 @@
+"""Who partitions with whom: the world, the hosts, and the groups of the hierarchical options.
+
+N ranks run in hosts of K consecutive ranks (torchrun and `accelerate launch` number them host by host).
+
+- plain stages: one partition over the whole world.
+- HSDP (`shard_group_size=K`, FSDP2's HSDP, DeepSpeed's MiCS): rank r's partition group is the K ranks of its
+  host block [K*(r//K), K*(r//K) + K); its replica group holds the ranks with the same index in the other blocks
+  (r % K, r % K + K, ...). Shards, gradient shards and optimizer states are split K ways and replicated N/K times;
+  all-gathers and reduce-scatters go over the partition group, the gradient shard's all-reduce over the replicas.
+- hpZ (`hpz_partition_size=K`, ZeRO++): the partition is the world; the secondary group is the host block, over
+  which the backward all-gather runs from a secondary copy of the parameters.
+
+Every group is made by every rank in the same order (torch.distributed.new_group is collective over the world).
+Each Comm learns whether its group spans hosts from the hostnames, gathered once, which books the ledger's
+inter-host column.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import List, Optional, Tuple, Union
+
+import torch.distributed as dist
+
+from ..config import ZeroConfig, ZeroConfigError
+from .comm import Comm, Ledger
+
+logger = logging.getLogger("hf_zero")
+
+
+@dataclass
+class Topology:
+    """The engine's process groups.
+
+    Attributes:
+        world: every rank of the engine's group.
+        partition: the ranks one shard is split over (the world, or the rank's HSDP group).
+        replicas: HSDP: the ranks that hold this rank's shard in the other groups (None otherwise).
+        secondary: hpZ: the rank's host group, over which the backward all-gather runs (None otherwise).
+        hosts: the hostname of each world rank.
+        option: "none", "hsdp" or "hpz"; group_size: K (N for "none").
+    """
+
+    world: Comm
+    partition: Comm
+    replicas: Optional[Comm]
+    secondary: Optional[Comm]
+    hosts: List[str]
+    option: str
+    group_size: int
+
+    @property
+    def num_hosts(self) -> int:
+        return len(set(self.hosts))
+
+    def describe(self) -> str:
+        n, k = self.world.world_size, self.group_size
+        where = f"{n} ranks on {self.num_hosts} host{'s' if self.num_hosts > 1 else ''}"
+        if self.option == "hsdp":
+            return f"{where}; HSDP: partitioned over groups of {k}, replicated {n // k}x"
+        if self.option == "hpz":
+            return f"{where}; hpZ: secondary parameter partition over groups of {k}"
+        return where
+
+
+def _launch_hosts(world: Comm) -> Tuple[List[str], List[Optional[int]]]:
+    """Every rank's hostname and LOCAL_WORLD_SIZE (one all_gather_object at start; a one-rank world: this host)."""
+    lws = os.environ.get("LOCAL_WORLD_SIZE")
+    mine = (socket.gethostname(), int(lws) if lws and lws.isdigit() else None)
+    if not world.distributed or world.world_size == 1:
+        return [mine[0]], [mine[1]]
+    everyone: List[Tuple[str, Optional[int]]] = [("", None)] * world.world_size
+    dist.all_gather_object(everyone, mine, group=world.group)
+    return [h for h, _ in everyone], [k for _, k in everyone]
+
+
+def _ranks_per_host(name: str, hosts: List[str], local_sizes: List[Optional[int]]) -> int:
+    """K for `name="host"`: LOCAL_WORLD_SIZE, checked against the hostnames (blocks of K consecutive ranks, one
+    host each)."""
+    sizes = set(local_sizes)
+    if None in sizes:
+        counts = {h: hosts.count(h) for h in hosts}
+        sizes = set(counts.values())
+        source = "the hostnames"
+    else:
+        source = "LOCAL_WORLD_SIZE"
+    if len(sizes) != 1:
+        raise ZeroConfigError(f"{name}='host': the hosts run different numbers of ranks ({source}: {sorted(sizes)}); "
+                              f"give {name} as a number of ranks that divides the world size")
+    k = sizes.pop()
+    for start in range(0, len(hosts), k):
+        block = hosts[start:start + k]
+        if len(set(block)) > 1:
+            raise ZeroConfigError(
+                f"{name}='host' takes K={k} ranks per host from {source}, but ranks {start}-{start + k - 1} run on "
+                f"hosts {sorted(set(block))}: the ranks are not numbered host by host. Give {name} explicitly.")
+    return k
+
+
+def _resolve(name: str, value: Union[int, str], n: int, hosts: List[str], local_sizes: List[Optional[int]]) -> int:
+    k = _ranks_per_host(name, hosts, local_sizes) if value == "host" else int(value)
+    if n % k:
+        raise ZeroConfigError(f"{name}={value!r} (K={k}) does not divide the world size {n}: each group must hold "
+                              f"the same number of ranks. Use a divisor of {n} (the ranks per host), or None.")
+    return k
+
+
+def _blocks(comm: Comm, k: int, config: ZeroConfig, ledger: Ledger, by_host: bool) -> Comm:
+    """Make every block's group (all ranks, same order) and return this rank's. by_host: blocks of K consecutive
+    ranks; else the strided groups that take one rank of every block (HSDP's replicas)."""
+    n, members = comm.world_size, comm.global_ranks
+    groups = ([members[s:s + k] for s in range(0, n, k)] if by_host
+              else [members[i::k] for i in range(k)])
+    mine = None
+    for ranks in groups:
+        pg = dist.new_group(ranks)
+        if members[comm.rank] in ranks:
+            mine = pg
+    return Comm(mine, debug=config.debug_collectives, ledger=ledger)
+
+
+def build_topology(group: Optional[dist.ProcessGroup], config: ZeroConfig) -> Topology:
+    """The engine's groups for `config` over `group` (default: the world); K is checked on every rank alike."""
+    ledger = Ledger()
+    world = Comm(group, debug=config.debug_collectives, ledger=ledger)
+    hosts, local_sizes = _launch_hosts(world)
+    n = world.world_size
+    option, k = "none", n
+    for name, kind in (("shard_group_size", "hsdp"), ("hpz_partition_size", "hpz")):
+        value = getattr(config, name)
+        if value is None or (kind == "hsdp" and config.stage == 0):
+            continue
+        k = _resolve(name, value, n, hosts, local_sizes)
+        if k in (1, n):
+            if world.rank == 0:
+                logger.info("hf_zero: %s=%r is K=%d of %d ranks: the plain stage %d", name, value, k, n, config.stage)
+            k = n
+        else:
+            option = kind
+    partition, replicas, secondary = world, None, None
+    if option == "hsdp":
+        partition = _blocks(world, k, config, ledger, by_host=True)
+        replicas = _blocks(world, k, config, ledger, by_host=False)
+    elif option == "hpz":
+        secondary = _blocks(world, k, config, ledger, by_host=True)
+    for comm in (world, partition, replicas, secondary):
+        if comm is not None and comm.distributed:
+            comm.spans_hosts = len({hosts[world.global_ranks.index(r)] for r in comm.global_ranks}) > 1
+    topo = Topology(world, partition, replicas, secondary, hosts, option, k)
+    spanning = [c for c in (partition if option == "hsdp" else None, secondary) if c is not None and c.spans_hosts]
+    if spanning and world.rank == 0:
+        logger.warning("hf_zero: %s: a group of %d ranks spans hosts, so its all-gathers cross the network; "
+                       "K should be the ranks per host ('host')", topo.describe(), k)
+    return topo
