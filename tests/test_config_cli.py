@@ -230,6 +230,7 @@ def test_input_ending_early_writes_nothing(tmp_path):
     (["--allgather-bucket-size", "lots"], "--allgather-bucket-size", "positive integer"),
     (["--prefetch", "-2"], "--prefetch", "integer >= 0"),
     (["--num-processes", "0"], "--num-processes", "integer >= 1"),
+    (["--shard-group-size", "all"], "--shard-group-size", '"host"'),
 ])
 def test_invalid_flag_values_exit_2_naming_flag_and_allowed_values(tmp_path, capsys, flags, named, allowed):
     acc, zero, paths = _paths(tmp_path)
@@ -250,6 +251,19 @@ def test_offload_params_below_stage_3_exits_2(tmp_path, capsys, monkeypatch):
     assert main(["config", "--yes", "--offload-params", "cpu", *paths]) == 2  # default stage 2
     assert "needs stage 3" in capsys.readouterr().err
     assert not acc.exists() and not zero.exists()
+
+
+def test_hierarchical_flags_written_and_validated(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    acc, zero, paths = _paths(tmp_path)
+    assert main(["config", "--yes", "--stage", "3", "--hpz-partition-size", "host", *paths]) == 0
+    plugin = ZeroPlugin.from_yaml(zero)
+    assert (plugin.hpz_partition_size, plugin.shard_group_size) == ("host", None)
+    assert main(["config", "--yes", "--stage", "1", "--shard-group-size", "4", *paths]) == 0
+    assert ZeroPlugin.from_yaml(zero).shard_group_size == 4
+    capsys.readouterr()
+    assert main(["config", "--yes", "--stage", "2", "--hpz-partition-size", "2", *paths]) == 2
+    assert "hpz_partition_size=2 needs stage 3" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------ --show

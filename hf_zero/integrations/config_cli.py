@@ -39,7 +39,8 @@ CHECKPOINTING = ("off", "on", "partitioned")
 _ACCELERATE_FLAGS = ("num_processes", "mixed_precision", "cpu")
 # ZeRO flags: each one given answers its question
 _ZERO_FLAGS = ("stage", "offload_optimizer", "offload_params", "activation_checkpointing", "cpu_checkpointing",
-               "reduce_bucket_size", "allgather_bucket_size", "prefetch")
+               "reduce_bucket_size", "allgather_bucket_size", "prefetch", "shard_group_size", "hpz_partition_size")
+HIERARCHY = ("none", "hsdp", "hpz")
 
 
 class ConfigAbort(Exception):
@@ -112,6 +113,16 @@ _parse_prefetch = _int_at_least(0, "prefetch", "an integer >= 0 (stage-3 units g
 _parse_num_processes = _int_at_least(1, "num processes", "an integer >= 1")
 
 
+def _parse_group_size(text: str) -> Any:
+    """K for shard_group_size / hpz_partition_size: a positive integer or "host" (the ranks per host)."""
+    if text.strip().lower() == "host":
+        return "host"
+    return _int_at_least(1, "group size", 'a positive number of ranks or "host"')(text)
+
+
+_parse_hierarchy = _choice(HIERARCHY, "hierarchical partitioning")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `hf-zero config` flags (each multi-word flag also answers to its underscore spelling)."""
     parser.description = (
@@ -134,6 +145,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--reduce-bucket-size", type=_parse_reduce, metavar="BYTES")
     add("--allgather-bucket-size", type=_parse_allgather, metavar="BYTES")
     add("--prefetch", type=_parse_prefetch, metavar="N", help="stage 3: units all-gathered ahead")
+    add("--shard-group-size", type=_parse_group_size, metavar="{K,host}",
+        help="HSDP: partition within groups of K ranks (host: one host) and replicate across them")
+    add("--hpz-partition-size", type=_parse_group_size, metavar="{K,host}",
+        help="stage 3, ZeRO++ hpZ: secondary parameter shard over K ranks (host) for the backward all-gather")
     add("--num-processes", type=_parse_num_processes, metavar="N",
         help="processes in the world (default: the GPU count, or 1 on CPU)")
     add("--mixed-precision", type=_parse_mixed_precision, metavar="{no,bf16,fp16}")
@@ -172,7 +187,8 @@ def _machine() -> Dict[str, Any]:
     return {"cuda": cuda, "gpus": torch.cuda.device_count() if cuda else 0}
 
 
-def _ask_zero(args: argparse.Namespace, defaults: Dict[str, Any], interactive: bool) -> Dict[str, Any]:
+def _ask_zero(args: argparse.Namespace, defaults: Dict[str, Any], interactive: bool,
+              num_machines: int = 1) -> Dict[str, Any]:
     """The ZeRO answers: flags first, then (interactive) a question per unset option, else the defaults."""
     values = dict(defaults)
     for name in _ZERO_FLAGS:
@@ -205,6 +221,19 @@ def _ask_zero(args: argparse.Namespace, defaults: Dict[str, Any], interactive: b
     q("allgather_bucket_size", "All-gather bucket size in bytes", _parse_allgather)
     if values["stage"] == 3:
         q("prefetch", "Prefetch: stage-3 units to all-gather ahead (integer >= 0)", _parse_prefetch)
+    hierarchical = {"shard_group_size", "hpz_partition_size"} & given
+    if interactive and num_machines > 1 and values["stage"] >= 1 and not hierarchical:
+        # several hosts: keep all-gathers inside a host (README "Multiple hosts")
+        allowed = "none/hsdp/hpz" if values["stage"] == 3 else "none/hsdp"
+        choice = _ask(f"{num_machines} machines: keep all-gathers inside each host? none, hsdp (partition per host, "
+                      f"replicate across hosts){', hpz (stage 3: secondary per-host copy for the backward)' if values['stage'] == 3 else ''} ({allowed}) [none]: ",
+                      _parse_hierarchy, "none")
+        if choice == "hsdp":
+            values["shard_group_size"] = "host"
+        elif choice == "hpz" and values["stage"] == 3:
+            values["hpz_partition_size"] = "host"
+        elif choice == "hpz":
+            print("  hpz needs stage 3: keeping the plain stage")
     return values
 
 
@@ -481,7 +510,7 @@ def write(args: argparse.Namespace) -> int:
         accel = _accelerate_from_flags(args, machine)
     else:
         accel = _ask_accelerate(zero_defaults)
-    values = _ask_zero(args, zero_defaults, interactive)
+    values = _ask_zero(args, zero_defaults, interactive, int(getattr(accel, "num_machines", 1) or 1))
     if values["offload_params"] == "cpu" and values["stage"] != 3:
         raise ConfigUsageError(f"--offload-params cpu needs stage 3 (parameters are only partitioned at stage 3); "
                                f"the stage is {values['stage']}. Add --stage 3 or use --offload-params none")
