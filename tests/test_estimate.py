@@ -5,6 +5,7 @@ AdamW, every rank's memory_stats() params / grads / master / optimizer_states mu
 rank exactly, for the tiny GPT-2 (tied) and Llama at stages 0-3 in fp32, plus Llama in bf16 with
 grad_accum_dtype="compute".
 """
+import inspect
 import json
 import math
 import os
@@ -170,6 +171,236 @@ def test_estimate_plan_accepts_a_config_path(tmp_path):
     assert set(got) == {"params", "grads", "master", "optimizer_states", "model_states"}
 
 
+# ------------------------------------------------------------------------------------------------------ multiple hosts
+# N ranks in hosts of K, per rank and step, paper counting (all-gather / reduce-scatter of Ψ: Ψ, all-reduce: 2Ψ), a
+# collective intra-host when its group is inside one host, inter-host when it spans hosts. Expected values are
+# written out here from the option's definition, not taken from formulas.py.
+def _json(capsys, *args):
+    from hf_zero.cli import main
+
+    assert main(["estimate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def _rows(out):
+    return {(int(s), o): row for s, options in out["hierarchical"].items() for o, row in options.items()}
+
+
+def _paper_hosts_expectations(psi, n, k, m=1, t=None, f=0.0):
+    """{(stage, option): (model-state bytes, intra elements by kind, inter elements by kind)} for the paper's recipe
+    (P = G = 2, K_opt = 12); `t` trainable and `f` frozen elements (t defaults to psi)."""
+    t = psi if t is None else t
+    w = t + f  # what stage 3 gathers
+    return {
+        (0, "none"): (16 * t + 2 * f, {}, {"all_reduce": 2 * t}),
+        (1, "none"): (4 * t + 12 * t / n + 2 * f, {}, {"reduce_scatter": t, "all_gather": t}),
+        (2, "none"): (2 * t + 14 * t / n + 2 * f, {}, {"reduce_scatter": m * t, "all_gather": t}),
+        (3, "none"): ((16 * t + 2 * f) / n, {}, {"reduce_scatter": m * t, "all_gather": 2 * m * w}),
+        # HSDP: the plain stage over the host's K ranks, plus the all-reduce of the t/K gradient shard across hosts
+        (1, "hsdp"): (4 * t + 12 * t / k + 2 * f, {"reduce_scatter": t, "all_gather": t}, {"all_reduce": 2 * t / k}),
+        (2, "hsdp"): (2 * t + 14 * t / k + 2 * f, {"reduce_scatter": m * t, "all_gather": t},
+                      {"all_reduce": m * 2 * t / k}),
+        (3, "hsdp"): ((16 * t + 2 * f) / k, {"reduce_scatter": m * t, "all_gather": 2 * m * w},
+                      {"all_reduce": m * 2 * t / k}),
+        # hpZ: forward all-gather and reduce-scatter over all N, backward all-gather from the host's secondary
+        # shard, which costs 2 bytes x w / K on top of stage 3
+        (3, "hpz"): ((16 * t + 2 * f) / n + 2 * w / k, {"all_gather": m * w},
+                     {"reduce_scatter": m * t, "all_gather": m * w}),
+    }
+
+
+def _check_rows(rows, want, byte_of=None):
+    byte_of = byte_of or {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}
+    assert set(rows) == set(want)
+    for key, (states, intra, inter) in want.items():
+        row = rows[key]
+        assert row["model_states"] == pytest.approx(states, rel=1e-12), key
+        assert row["comm_elements"]["intra"] == pytest.approx(intra, rel=1e-12), key
+        assert row["comm_elements"]["inter"] == pytest.approx(inter, rel=1e-12), key
+        assert row["intra_elements"] == pytest.approx(sum(intra.values()), rel=1e-12), key
+        assert row["inter_elements"] == pytest.approx(sum(inter.values()), rel=1e-12), key
+        assert row["inter_bytes"] == pytest.approx(sum(v * byte_of[k] for k, v in inter.items()), rel=1e-12), key
+
+
+def test_hosts_formula_7p5b_on_8_hosts_of_8(capsys):
+    """The paper's 7.5B on N = 64 in hosts of 8: plain stage 3 sends 3Ψ across hosts, hpZ 2Ψ (Ψ stays inside),
+    HSDP 2Ψ/8 at every stage; HSDP's memory is the stage's formula with N = 8, hpZ's is 16Ψ/64 + 2Ψ/8."""
+    psi, n, k = 7.5e9, 64, 8
+    out = _json(capsys, "--params", "7.5e9", "--num-processes", "64", "--ranks-per-host", "8", "--optimizer-k", "12")
+    assert (out["ranks_per_host"], out["hosts"]) == (8, 8)
+    rows = _rows(out)
+    _check_rows(rows, _paper_hosts_expectations(psi, n, k))
+    assert rows[3, "none"]["inter_elements"] == pytest.approx(3 * psi)
+    assert rows[3, "hpz"]["inter_elements"] == pytest.approx(2 * psi)
+    assert rows[3, "hpz"]["intra_elements"] == pytest.approx(psi)
+    assert rows[3, "hsdp"]["inter_elements"] == pytest.approx(2 * psi / 8)
+    assert rows[2, "hsdp"]["model_states"] == pytest.approx(2 * psi + 14 * psi / 8)
+    assert rows[3, "hpz"]["model_states"] == pytest.approx(16 * psi / 64 + 2 * psi / 8)
+    for stage in range(4):  # the plain rows are the plain table's numbers, all of them inter-host
+        assert rows[stage, "none"]["model_states"] == out["stages"][str(stage)]["model_states"]
+        assert rows[stage, "none"]["comm_elements"]["inter"] == out["stages"][str(stage)]["comm_elements"]
+
+
+def test_hosts_formula_1t_on_128_hosts_and_micro_batches(capsys):
+    """1e12 parameters on N = 1024 in hosts of 8, with 4 micro-batches per step: stages 2/3 reduce (and HSDP
+    all-reduces the shard) every micro-batch, stage 1 once per step; stage 3 gathers every micro-batch."""
+    psi, n, k, m = 1e12, 1024, 8, 4
+    out = _json(capsys, "--params", "1e12", "--num-processes", "1024", "--ranks-per-host", "8", "--optimizer-k", "12",
+                "--micro-batches", "4")
+    _check_rows(_rows(out), _paper_hosts_expectations(psi, n, k, m))
+    one = _rows(_json(capsys, "--params", "1e12", "--num-processes", "1024", "--ranks-per-host", "8"))
+    assert one[3, "hpz"]["model_states"] == pytest.approx(16e12 / 1024 + 2e12 / 8)  # 265.6 GB
+    assert one[3, "hsdp"]["model_states"] == pytest.approx(16e12 / 8)
+
+
+def test_hosts_formula_counts_frozen_parameters(capsys):
+    """A 1%-trainable 7.5B (LoRA-like): frozen weights are gathered at stage 3 (and by hpZ's secondary shard),
+    never reduced; HSDP's cross-host all-reduce carries the trainable shard only."""
+    psi, n, k = 7.5e9, 64, 8
+    out = _json(capsys, "--params", "7.5e9", "--num-processes", "64", "--ranks-per-host", "8", "--optimizer-k", "12",
+                "--trainable-fraction", "0.01")
+    _check_rows(_rows(out), _paper_hosts_expectations(psi, n, k, t=0.01 * psi, f=0.99 * psi))
+
+
+def test_hosts_table(capsys):
+    from hf_zero.cli import main
+
+    assert main(["estimate", "--params", "7.5e9", "--num-processes", "64", "--ranks-per-host", "8"]) == 0
+    table = capsys.readouterr().out
+    assert "Multiple hosts: N = 64 ranks in 8 hosts of K = 8 ranks" in table
+    lines = {line.split("  ")[0].strip(): line.split() for line in table.splitlines() if line.startswith("stage ")}
+    # the plain table and the hosts table both start rows with "stage 3": the dict keeps the hosts table's row
+    assert lines["stage 3 hpZ"][3] == "3.8" and lines["stage 3 hpZ"][-2:] == ["1", "2"]  # GB, intra / inter in Ψ
+    assert lines["stage 3"][-2:] == ["0", "3"]
+    assert lines["stage 2 HSDP"][3] == "28.1" and lines["stage 2 HSDP"][-1] == "0.25"
+    assert main(["estimate", "--params", "7.5e9", "--num-processes", "64"]) == 0
+    assert "Multiple hosts" not in capsys.readouterr().out  # the table only when asked for
+
+
+def test_hosts_default_is_one_host_and_k_1_or_n_is_the_plain_stage(capsys):
+    """Without --ranks-per-host, K = N (one host): only the plain stages, everything intra-host. K = 1 or K = N
+    turns HSDP and hpZ off (the engine runs them as the plain stage), so only the plain rows are reported."""
+    psi = 7.5e9
+    out = _json(capsys, "--params", "7.5e9", "--num-processes", "64")
+    assert (out["ranks_per_host"], out["hosts"]) == (64, 1)
+    rows = _rows(out)
+    assert set(rows) == {(s, "none") for s in range(4)}
+    assert all(r["inter_elements"] == 0 for r in rows.values())
+    assert rows[3, "none"]["intra_elements"] == pytest.approx(3 * psi)
+    ones = _rows(_json(capsys, "--params", "7.5e9", "--num-processes", "64", "--ranks-per-host", "1"))
+    assert set(ones) == set(rows) and all(r["intra_elements"] == 0 for r in ones.values())
+    assert ones[3, "none"]["inter_elements"] == pytest.approx(3 * psi)
+    from hf_zero.tools.estimate.formulas import hierarchical_comm_elements, hierarchical_state_bytes
+
+    for k, side in ((64, "intra"), (1, "inter")):
+        for option in ("hsdp", "hpz"):
+            assert hierarchical_comm_elements(psi, 64, k, 3, option)[side] == {"reduce_scatter": psi,
+                                                                                "all_gather": 2 * psi}
+            assert hierarchical_state_bytes(psi, 64, k, 3, option) == 16 * psi / 64
+    for stage, option in ((2, "hpz"), (0, "hsdp"), (3, "zero++")):
+        with pytest.raises(ValueError):
+            hierarchical_comm_elements(psi, 64, 8, stage, option)
+        with pytest.raises(ValueError):
+            hierarchical_state_bytes(psi, 64, 8, stage, option)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--ranks-per-host", "6"], "--ranks-per-host 6 does not divide --num-processes 64"),
+    (["--ranks-per-host", "128"], "--ranks-per-host 128 is more than --num-processes 64"),
+    (["--ranks-per-host", "0"], "--ranks-per-host must be at least 1"),
+])
+def test_hosts_validation(capsys, args, needle):
+    from hf_zero.cli import main
+
+    assert main(["estimate", "--params", "7.5e9", "--num-processes", "64", *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    if "6" in args:
+        assert "such as 4 or 8" in err and "multiple of 6 (such as 66)" in err
+
+
+def test_hosts_need_num_processes(capsys):
+    from hf_zero.cli import main
+
+    assert main(["estimate", "--params", "7.5e9", "--ranks-per-host", "8", "--fits", "80"]) == 2
+    assert "--ranks-per-host K needs --num-processes N" in capsys.readouterr().err
+
+
+def _padded(plan, keep=lambda g: True):
+    return sum(g.padded_numel for g in plan.groups if keep(g))
+
+
+@pytest.mark.parametrize("variant", ["full", "lora"])
+def test_hosts_plan_mode_is_the_planners_layout(variant):
+    """Plan mode: HSDP's memory is plan_model over the K ranks of a host (its K-way padding), worst rank; hpZ's is
+    stage 3 over N plus 1/K of every non-root unit's padded groups in the compute dtype; the traffic counts the
+    padded flat buffers, frozen ones (LoRA's base weights) gathered at stage 3 and never reduced."""
+    from hf_zero.tools.estimate.plan import Planner, hierarchical_plan_report
+
+    model = models.make_model("llama", variant)  # 44,450 elements: a K = 3 partition pads
+    n, k = 6, 3
+    base = ZeroConfig(mixed_precision="bf16")
+    report = hierarchical_plan_report(Planner(model, base), n, k)
+    for (stage, option), row in _rows({"hierarchical": report}).items():
+        cfg = ZeroConfig(stage=stage, mixed_precision="bf16")
+        plan = plan_model(model, k if option == "hsdp" else n, cfg)
+        worst = max_over_ranks(plan, cfg)["model_states"]
+        t, f = _padded(plan, lambda g: g.trainable), _padded(plan, lambda g: not g.trainable)
+        root = sum(plan.groups[i].padded_numel for i in plan.units[0].groups)
+        if option == "hsdp":
+            assert plan.padding > 0 or variant == "lora"
+            if "partition_size" in inspect.signature(plan_model).parameters:  # the engine's own HSDP layout
+                worst_n = max_over_ranks(plan_model(model, n, cfg, partition_size=k), cfg)["model_states"]
+                assert worst_n == worst
+            assert row["model_states"] == worst, (stage, option)
+            shard = sum(g.shard_numel for g in plan.groups if g.trainable)
+            assert row["comm_elements"]["inter"] == {"all_reduce": 2 * shard}
+            gathered = t if stage < 3 else 2 * (t + f) - root
+            assert row["comm_elements"]["intra"] == {"reduce_scatter": t, "all_gather": gathered}
+        elif option == "hpz":
+            secondary = sum(g.padded_numel // k * 2 for g in plan.groups if g.unit != 0)
+            assert row["secondary_bytes"] == secondary > 0
+            assert row["model_states"] == worst + secondary
+            assert row["comm_elements"] == {"intra": {"all_gather": t + f - root},
+                                            "inter": {"reduce_scatter": t, "all_gather": t + f}}
+        else:
+            assert row["model_states"] == worst and row["comm_elements"]["intra"] == {}
+            want = {0: {"all_reduce": 2 * t}, 3: {"reduce_scatter": t, "all_gather": 2 * (t + f) - root}}
+            assert row["comm_elements"]["inter"] == want.get(stage, {"reduce_scatter": t, "all_gather": t})
+
+
+def test_hosts_plan_cli_and_wire_bytes(tmp_path, capsys):
+    """--model with --ranks-per-host: the HSDP rows are plan_model over K ranks; bytes on the wire: all-gathers in
+    bf16, stage-2/3 reductions in fp32 (reduce_dtype's default under bf16), stage 0/1 reductions in the fp32
+    accumulator, and with reduce_dtype="compute" in bf16."""
+    from hf_zero.tools.estimate.plan import wire_bytes
+
+    models._config("gpt2").save_pretrained(tmp_path)
+    out = _json(capsys, "--model", str(tmp_path), "--num-processes", "4", "--ranks-per-host", "2")
+    model = models.make_model("gpt2")
+    rows = _rows(out)
+    assert set(rows) == {(0, "none"), (1, "none"), (1, "hsdp"), (2, "none"), (2, "hsdp"), (3, "none"), (3, "hsdp"),
+                         (3, "hpz")}
+    for stage in (1, 2, 3):
+        cfg = ZeroConfig(stage=stage, mixed_precision="bf16")
+        assert rows[stage, "hsdp"]["max"] == max_over_ranks(plan_model(model, 2, cfg), cfg)
+        assert rows[stage, "hsdp"]["partition_size"] == 2
+        inter = rows[stage, "hsdp"]["comm_elements"]["inter"]["all_reduce"]
+        assert rows[stage, "hsdp"]["inter_bytes"] == 4 * inter
+        intra = rows[stage, "hsdp"]["comm_bytes"]["intra"]
+        rs = rows[stage, "hsdp"]["comm_elements"]["intra"]["reduce_scatter"]
+        assert intra["reduce_scatter"] == 4 * rs
+    ag = rows[3, "none"]["comm_elements"]["inter"]["all_gather"]
+    assert rows[3, "none"]["comm_bytes"]["inter"]["all_gather"] == 2 * ag
+    assert out["stages"]["2"]["comm_bytes"]["reduce_scatter"] == 4 * out["stages"]["2"]["comm_elements"][
+        "reduce_scatter"]
+    for stage, kwargs, want in ((2, {}, 4), (2, {"reduce_dtype": "compute"}, 2), (1, {}, 4),
+                                (1, {"grad_accum_dtype": "compute"}, 2), (0, {}, 4)):
+        cfg = ZeroConfig(stage=stage, mixed_precision="bf16", **kwargs)
+        got = wire_bytes(plan_model(model, 4, cfg), cfg)
+        assert got == {"all_gather": 2, "reduce_scatter": want, "all_reduce": want}, (stage, kwargs)
+
+
 # ------------------------------------------------------------------------------------------------------ large configs
 LLAMA_7B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=11008,
                 vocab_size=32000, num_attention_heads=32, num_key_value_heads=32)
@@ -185,7 +416,7 @@ def test_large_configs_run_in_seconds(tmp_path, name, values, n, psi_range):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(values))
     t0 = time.perf_counter()
-    res = _cli("--model", str(path), "--num-processes", str(n), "--fits", "80", "--json")
+    res = _cli("--model", str(path), "--num-processes", str(n), "--fits", "80", "--ranks-per-host", "8", "--json")
     elapsed = time.perf_counter() - t0
     assert res.returncode == 0, res.stderr
     assert elapsed < 30, f"{name}: {elapsed:.1f} s"
@@ -199,6 +430,15 @@ def test_large_configs_run_in_seconds(tmp_path, name, values, n, psi_range):
     s3 = out["stages"]["3"]["max"]["model_states"]
     # default bf16 with fp32 gradient accumulation: 2 + 4 + 4 + 8 = 18 bytes per parameter, all over N at stage 3
     assert abs(s3 - 18 * out["psi"] / n) / s3 < 0.01
+    # hosts of 8: HSDP sends 2Ψ/8 across hosts, hpZ 2Ψ, plain stage 3 3Ψ less the root unit gathered once
+    psi, rows = out["psi"], _rows(out)
+    for stage in (1, 2, 3):
+        assert rows[stage, "hsdp"]["inter_elements"] == pytest.approx(2 * psi / 8, rel=1e-6)
+        states = rows[stage, "hsdp"]["model_states"]
+        assert abs(states - model_state_bytes(psi, 8, stage, formula_recipe("bf16", None, "fp32"))) / states < 0.01
+    assert rows[3, "hpz"]["inter_elements"] == pytest.approx(2 * psi, rel=1e-6)
+    assert 2.9 * psi < rows[3, "none"]["inter_elements"] < 3 * psi
+    assert abs(rows[3, "hpz"]["model_states"] - (s3 + 2 * psi / 8)) / s3 < 0.05
 
 
 # ------------------------------------------------------------------------------------------------------ activations

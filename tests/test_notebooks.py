@@ -28,7 +28,7 @@ CI_ENV = {  # small runs: about 25 s and 12 s on 2 CPU cores
 }
 PLOTS = {
     "zero_stages_small_cluster": ("memory_per_rank.png", "communication_per_step.png", "throughput_vs_stage0.png"),
-    "plan_a_run": ("memory_per_device.png", "activations_per_device.png"),
+    "plan_a_run": ("memory_per_device.png", "activations_per_device.png", "hosts_memory_vs_traffic.png"),
 }
 REL = 1e-3  # measured model states and traffic vs the formulas: padding and Adam's 4-byte step counters only
 
@@ -189,3 +189,32 @@ def test_plan_notebook_fits_include_activations(plan_run):
             for stage, n in mins.items():
                 base = plan["fits"][stage]
                 assert n is None or (base is not None and n >= base), (name, mode, stage)
+
+
+def test_plan_notebook_hosts_match_paper_formulas(plan_run):
+    """N ranks in hosts of K: HSDP is the stage's formula with N replaced by K and sends only the 2Ψ/K all-reduce of
+    the gradient shard across hosts; hpZ sends 2Ψ across hosts, keeps the backward all-gather (Ψ less the root unit,
+    which stays gathered) inside the host, and holds 2 bytes x (Ψ - root) / K of bf16 secondary shard on top of
+    stage 3; plain stage 3 sends 3Ψ - root across hosts and nothing inside."""
+    s = plan_run["summary"]
+    r = recipe(s["mixed_precision"], "fp32")
+
+    def close(got, want, what, rel=REL):
+        assert abs(got - want) <= rel * want, f"{what}: {got} vs {want}"
+
+    for name, plan in s["plans"].items():
+        hosts, psi = plan["hosts"], plan["psi"]
+        n, k, root, rows = hosts["world_size"], hosts["ranks_per_host"], hosts["root_params"], hosts["rows"]
+        assert 1 < k < n and set(rows["3"]) == {"none", "hsdp", "hpz"}, name
+        for stage in (1, 2, 3):
+            hsdp = rows[str(stage)]["hsdp"]
+            inside = sum(comm_elements_per_step(psi, stage, resident=root if stage == 3 else 0).values())
+            close(hsdp["model_states"], model_state_bytes(psi, k, stage, r), f"{name} stage {stage} HSDP", 0.01)
+            close(hsdp["intra_elements"], inside, f"{name} stage {stage} HSDP intra")
+            close(hsdp["inter_elements"], 2 * psi / k, f"{name} stage {stage} HSDP inter")
+        plain, hpz = rows["3"]["none"], rows["3"]["hpz"]
+        assert plain["intra_elements"] == 0, name
+        close(plain["inter_elements"], 3 * psi - root, f"{name} stage 3 inter")
+        close(hpz["inter_elements"], 2 * psi, f"{name} hpZ inter")
+        close(hpz["intra_elements"], psi - root, f"{name} hpZ intra")
+        close(hpz["model_states"], model_state_bytes(psi, n, 3, r) + r.param * (psi - root) / k, f"{name} hpZ", 0.01)

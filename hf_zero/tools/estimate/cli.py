@@ -10,8 +10,9 @@ from typing import Any, Dict, List, Optional
 
 from ...config import ZeroConfig
 from .activations import ATTENTION_KINDS, activation_report
-from .plan import (GB, MAX_WORLD, STAGES, Planner, fits_formula, fits_plan, fits_with_activations, formula_recipe,
-                   formula_report, plan_report)
+from .plan import (GB, MAX_WORLD, STAGES, Planner, check_ranks_per_host, fits_formula, fits_plan,
+                   fits_with_activations, formula_recipe, formula_report, hierarchical_formula_report,
+                   hierarchical_plan_report, plan_report)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                    "trainable unless --trainable-fraction says otherwise")
     what.add_argument("--model", help="plan mode: a local config.json (or its folder); built on the meta device")
     parser.add_argument("--num-processes", type=int, default=None, help="N, the data-parallel world size")
+    parser.add_argument("--ranks-per-host", type=int, default=None, metavar="K",
+                        help="ranks per host (N = hosts x K, K dividing N): adds the multi-host table, the plain "
+                             "stage, HSDP (shard_group_size=K, stages 1-3) and hpZ (hpz_partition_size=K, stage 3) "
+                             "with memory per rank and communication split into intra- and inter-host (default: "
+                             "K = N, one host; the JSON output always carries it)")
     parser.add_argument("--stage", type=int, choices=STAGES, default=None, help="one stage (default: all four)")
     parser.add_argument("--mixed-precision", default="bf16", choices=("no", "fp32", "bf16", "fp16"))
     parser.add_argument("--grad-accum-dtype", default=None, choices=("fp32", "compute"),
@@ -80,6 +86,17 @@ def run(args: argparse.Namespace) -> int:
         print("hf-zero estimate: --trainable-fraction is for formula mode (--params); plan mode counts the model's "
               "own requires_grad", file=sys.stderr)
         return 2
+    if args.ranks_per_host is not None:
+        if n is None:
+            print("hf-zero estimate: --ranks-per-host K needs --num-processes N (N ranks in hosts of K)",
+                  file=sys.stderr)
+            return 2
+        try:
+            check_ranks_per_host(n, args.ranks_per_host)
+        except ValueError as exc:
+            print(f"hf-zero estimate: error: {exc}", file=sys.stderr)
+            return 2
+    k = args.ranks_per_host or n
     budget = args.fits * GB if args.fits is not None else None
     out: Dict[str, Any]
     if args.params is not None:
@@ -88,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
         frozen = args.params - psi
         out = formula_report(psi, n or 1, r, args.micro_batches, stages, frozen) if n else {
             "mode": "formula", "psi": psi, "frozen": frozen, "recipe": dataclasses.asdict(r), "stages": {}}
+        if n:
+            out.update(ranks_per_host=k, hosts=n // k,
+                       hierarchical=hierarchical_formula_report(psi, n, k, r, args.micro_batches, stages, frozen))
         if budget is not None:
             out["fits"] = {"gb": args.fits, "min_world_size": fits_formula(psi, r, budget, stages, frozen)}
     else:
@@ -103,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
         planner = Planner(model, config)
         out = plan_report(model, n or 1, config, stages, micro_batches=args.micro_batches, planner=planner) if n \
             else {"mode": "plan", "stages": {}}
+        if n:
+            out.update(ranks_per_host=k, hosts=n // k,
+                       hierarchical=hierarchical_plan_report(planner, n, k, stages, args.micro_batches))
         if with_activations:
             out["activations"] = activation_report(model, args.batch_size, args.seq_len, config, args.attention)
         if budget is not None:
@@ -115,11 +138,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, default=float))
         return 0
-    print(_render(out, n))
+    print(_render(out, n, hosts_table=args.ranks_per_host is not None))
     return 0
 
 
-def _render(out: Dict[str, Any], n: Optional[int]) -> str:
+def _render(out: Dict[str, Any], n: Optional[int], hosts_table: bool = False) -> str:
     lines = []
     if out["mode"] == "formula":
         r = out["recipe"]
@@ -147,6 +170,8 @@ def _render(out: Dict[str, Any], n: Optional[int]) -> str:
                              _gb(v["largest_unit_bytes"]), _fmt_comm(v["comm_elements"]), _fmt_comm(v["comm_bytes"])])
             lines.append(_table(["", "params GB", "grads GB", "master GB", "optim GB", "rank 0 GB", "max GB",
                                  "padding el.", "largest unit GB", "comm elements/step", "comm bytes/step"], rows))
+    if hosts_table and out.get("hierarchical"):
+        lines.extend(_render_hosts(out))
     if "activations" in out:
         lines.extend(_render_activations(out["activations"]))
     if "fits" in out:
@@ -159,6 +184,34 @@ def _render(out: Dict[str, Any], n: Optional[int]) -> str:
                          + _fits_parts(mins) + alone)
     lines.append(f"({out['seconds']:.2f} s)")
     return "\n".join(lines)
+
+
+_OPTION_LABEL = {"none": "", "hsdp": " HSDP", "hpz": " hpZ"}
+
+
+def _render_hosts(out: Dict[str, Any]) -> List[str]:
+    """The multi-host table: per stage the plain stage, HSDP and hpZ, memory and intra/inter-host traffic."""
+    n, k, hosts, psi = out["world_size"], out["ranks_per_host"], out["hosts"], out["psi"]
+    worst = ", worst rank" if out["mode"] == "plan" else ""
+    plural = lambda count, word: f"{count} {word}" + ("s" if count > 1 else "")  # noqa: E731
+    lines = [f"Multiple hosts: N = {n} ranks in {plural(hosts, 'host')} of K = {plural(k, 'rank')}; HSDP: "
+             f"shard_group_size={k}, hpZ: hpz_partition_size={k}.",
+             "Communication per rank and step, paper counting; a collective is intra-host when its group lies "
+             "inside one host, inter-host when its group spans hosts (the ring's view)."]
+    if not 1 < k < n:
+        lines.append(f"K = {k} {'(one host)' if k == n else '(one rank per host)'}: HSDP and hpZ are off (the "
+                     f"engine runs K = 1 or K = N as the plain stage).")
+    rows = [[f"stage {s}{_OPTION_LABEL[o]}", _gb(v["model_states"]), _fmt_comm(v["comm_elements"]["intra"]) or "-",
+             _fmt_comm(v["comm_elements"]["inter"]) or "-", _gb(v["intra_bytes"]), _gb(v["inter_bytes"]),
+             _per_psi(v["intra_elements"], psi), _per_psi(v["inter_elements"], psi)]
+            for s, options in out["hierarchical"].items() for o, v in options.items()]
+    lines.append(_table(["", f"model states / rank (GB{worst})", "intra-host elements", "inter-host elements",
+                         "intra-host GB", "inter-host GB", "intra / Ψ", "inter / Ψ"], rows))
+    return lines
+
+
+def _per_psi(elements: float, psi: float) -> str:
+    return f"{elements / psi:.4g}" if psi else "-"
 
 
 def _fits_parts(mins: Dict[Any, Optional[int]]) -> str:

@@ -87,3 +87,68 @@ def comm_elements_per_step(psi: float, stage: int, micro_batches: int = 1, resid
     if stage == 3:
         return {"reduce_scatter": m * psi, "all_gather": m * (2 * (psi + frozen) - resident)}
     raise ValueError(f"stage must be 0-3, got {stage}")
+
+
+# ------------------------------------------------------------------------------------------ hierarchical options
+# N ranks in hosts of K consecutive ranks (N = H K). Counting per rank and step, paper counting as above, and a
+# collective's elements are booked "intra" when its group lies inside one host and "inter" when the group spans
+# hosts. That is the ring algorithm's view (NCCL's default for large messages, gloo's all-reduce): every link of
+# the ring carries the full per-rank volume, so a ring that leaves the host is as slow as its inter-host link.
+#
+#   plain stage 3 over N:      intra 0,  inter m(2Ψ' - r) + mΨ           (Ψ' = Ψ + Ψ_f, r = resident root)
+#   hpZ (secondary over K):    intra m(Ψ' - r) (backward all-gather),  inter mΨ' (forward all-gather) + mΨ
+#   HSDP (partition over K):   intra everything the plain stage sends over K ranks,  inter the all-reduce of
+#                              the Ψ/K gradient shard across the H replicas: 2Ψ/K per reduction (m at stages
+#                              2/3, once at stage 1)
+#
+# Memory per rank: HSDP is the plain stage with N replaced by K; hpZ is plain stage 3 plus the secondary shard,
+# P (Ψ' - r) / K bytes while the units wait for their backward (between the forward and the backward).
+# K = 1 or K = N turns either option off (the engine runs the plain stage: engine/topology.py); HSDP needs stage
+# 1-3, hpZ stage 3 (ZeroConfig's rules).
+
+def _effective_option(n: int, k: int, stage: int, option: str) -> str:
+    """`option` as the engine runs it (engine/topology.py): K = 1 or K = N is the plain stage. Raises for a K that
+    does not divide N and for an option the stage does not have (ZeroConfig's rules)."""
+    if option not in ("none", "hsdp", "hpz"):
+        raise ValueError(f"option must be none, hsdp or hpz, got {option!r}")
+    if k < 1 or n % k:
+        raise ValueError(f"K={k} must divide N={n}")
+    if option == "hpz" and stage != 3:
+        raise ValueError("hpZ is a stage-3 option")
+    if option == "hsdp" and stage == 0:
+        raise ValueError("HSDP is a stage 1-3 option (stage 0 partitions nothing)")
+    return "none" if k in (1, n) else option
+
+
+def hierarchical_comm_elements(psi: float, n: int, k: int, stage: int, option: str = "none", micro_batches: int = 1,
+                               resident: float = 0, frozen: float = 0) -> Dict[str, Dict[str, float]]:
+    """{"intra": {kind: elements}, "inter": {kind: elements}} per rank and step for N ranks in hosts of K.
+
+    `option`: "none" (the plain stage over N), "hsdp" (shard_group_size=K) or "hpz" (hpz_partition_size=K, stage
+    3). With one host (K = N) everything is intra-host; K = 1 or K = N turns the options off (the plain stage).
+    """
+    option = _effective_option(n, k, stage, option)
+    m = micro_batches
+    if option == "hsdp":
+        inside = comm_elements_per_step(psi, stage, m, resident, frozen)  # the plain stage over the K-rank group
+        reductions = 1 if stage == 1 else m
+        return {"intra": inside, "inter": {"all_reduce": reductions * 2 * psi / k}}
+    plain = comm_elements_per_step(psi, stage, m, resident, frozen)
+    if option == "hpz":
+        forward = m * (psi + frozen)
+        backward = m * (psi + frozen - resident)
+        return {"intra": {"all_gather": backward},
+                "inter": {"reduce_scatter": plain["reduce_scatter"], "all_gather": forward}}
+    return {"intra": plain, "inter": {}} if n == k else {"intra": {}, "inter": plain}
+
+
+def hierarchical_state_bytes(psi: float, n: int, k: int, stage: int, option: str = "none", r: Recipe = PAPER,
+                             frozen: float = 0, resident: float = 0) -> float:
+    """Model-state bytes per rank (no padding): HSDP partitions K ways; hpZ adds the secondary parameter shard
+    P (Ψ' - resident) / K held between a unit's forward and its backward."""
+    option = _effective_option(n, k, stage, option)
+    if option == "hsdp":
+        return model_state_bytes(psi, k, stage, r, frozen)
+    if option == "hpz":
+        return model_state_bytes(psi, n, 3, r, frozen) + r.param * (psi + frozen - resident) / k
+    return model_state_bytes(psi, n, stage, r, frozen)

@@ -10,6 +10,11 @@ Two modes (the command line is tools/estimate/cli.py):
 
 ``estimate_plan(model_or_config, world_size, config, rank=0)`` is the Python entry point of plan mode.
 
+Multiple hosts (``--ranks-per-host K``): for N ranks in hosts of K, each stage's plain layout, HSDP
+(``shard_group_size=K``, stages 1-3) and hpZ (``hpz_partition_size=K``, stage 3) with their memory per rank and their
+communication per step split into intra-host and inter-host (formulas.hierarchical_comm_elements). In plan mode
+HSDP's memory is the planner's own K-way layout (plan_model over K ranks: the padding of a K-way partition).
+
 Activations (plan mode with ``--batch-size b --seq-len s``): tools/estimate/activations.py (Korthikanti et al.
 2022, re-derived per term for the real config), with and without activation checkpointing.
 """
@@ -24,7 +29,8 @@ from torch import nn
 
 from ...config import ZeroConfig
 from ...engine.planning import GroupPlan, ShardPlan, plan_model
-from .formulas import Recipe, comm_elements_per_step, model_state_bytes, recipe
+from .formulas import (Recipe, comm_elements_per_step, hierarchical_comm_elements, hierarchical_state_bytes,
+                       model_state_bytes, recipe)
 
 STAGES = (0, 1, 2, 3)
 MAX_WORLD = 65536
@@ -188,6 +194,30 @@ def estimate_plan(model_or_config: Any, world_size: int, config: Optional[ZeroCo
     return plan_bytes(plan, config, rank, optimizer_states)
 
 
+def comm_sizes(plan: ShardPlan) -> Tuple[int, int, int]:
+    """(trainable, frozen, root) padded elements of a plan: what its collectives move (the ledger counts the padded
+    flat buffers). The root unit's parameters (trainable and frozen) stay gathered from forward to backward at
+    stage 3 (the `resident` of the formulas)."""
+    trainable = sum(g.padded_numel for g in plan.groups if g.trainable)
+    frozen = sum(g.padded_numel for g in plan.groups if not g.trainable)
+    root = sum(plan.groups[i].padded_numel for i in plan.units[0].groups)
+    return trainable, frozen, root
+
+
+def wire_bytes(plan: ShardPlan, config: ZeroConfig) -> Dict[str, int]:
+    """Bytes per element of each collective kind, as the engine sends it: all-gathers in the compute dtype;
+    reductions (reduce-scatter, all-reduce, HSDP's all-reduce of the gradient shard) in the reduce dtype at
+    stages 2/3 (ZeroConfig.reduce_dtype: fp32 by default under bf16/fp16) and in the accumulation dtype at
+    stages 0/1 (they reduce their accumulator)."""
+    compute = max((_elem(g.dtype) for g in plan.groups), default=4)
+    trainable = [g for g in plan.groups if g.trainable]
+    if plan.stage >= 2:
+        reduce = max((_elem(config.reduce_torch_dtype(g.dtype)) for g in trainable), default=compute)
+    else:
+        reduce = max((_elem(_accum_dtype(g, config)) for g in trainable), default=compute)
+    return {"all_gather": compute, "reduce_scatter": reduce, "all_reduce": reduce}
+
+
 def plan_report(model: nn.Module, world_size: int, config: ZeroConfig, stages: Sequence[int] = STAGES,
                 optimizer_states: int = 2, micro_batches: int = 1,
                 planner: Optional["Planner"] = None) -> Dict[str, Any]:
@@ -199,19 +229,18 @@ def plan_report(model: nn.Module, world_size: int, config: ZeroConfig, stages: S
         plan = planner.plan(stage, world_size)
         r0 = plan_bytes(plan, cfg, 0, optimizer_states)
         mx = max_over_ranks(plan, cfg, optimizer_states)
-        compute = max((_elem(g.dtype) for g in plan.groups), default=4)
         largest = max((sum(plan.groups[i].padded_numel * _elem(plan.groups[i].dtype) for i in u.groups)
                        for u in plan.units), default=0)
-        trainable_padded = sum(g.padded_numel for g in plan.groups if g.trainable)
-        root_padded = sum(plan.groups[i].padded_numel for i in plan.units[0].groups if plan.groups[i].trainable)
-        comm = comm_elements_per_step(trainable_padded, stage, micro_batches,
-                                      resident=root_padded if stage == 3 else 0)
+        trainable, frozen, root = comm_sizes(plan)
+        comm = comm_elements_per_step(trainable, stage, micro_batches, resident=root if stage == 3 else 0,
+                                      frozen=frozen)
+        wire = wire_bytes(plan, cfg)
         rows[stage] = {
             "rank0": r0, "max": {k: v for k, v in mx.items()}, "padding_elements": plan.padding,
             "groups": len(plan.groups), "units": len(plan.units),
             "largest_unit_bytes": largest,
             "comm_elements": {k: int(v) for k, v in comm.items()},
-            "comm_bytes": {k: int(v) * compute for k, v in comm.items()},
+            "comm_bytes": {k: int(v) * wire[k] for k, v in comm.items()},
         }
     probe = planner.plan(stages[0], world_size)
     return {
@@ -246,6 +275,87 @@ def formula_recipe(mixed_precision: str, optimizer_k: Optional[int], grad_accum_
         return base
     master = base.master if base.master <= optimizer_k else 0
     return Recipe(param=base.param, grad=base.grad, master=master, optim=optimizer_k - master)
+
+
+# ------------------------------------------------------------------------------------------------- multiple hosts
+def check_ranks_per_host(n: int, k: int) -> None:
+    """Raise ValueError, naming N, K and the fix, unless N ranks split into hosts of K (K divides N)."""
+    if k < 1:
+        raise ValueError(f"--ranks-per-host must be at least 1, got {k}")
+    if k > n:
+        raise ValueError(f"--ranks-per-host {k} is more than --num-processes {n}: a host cannot run more ranks "
+                         f"than the whole run. Use at most {n} (K = N: one host)")
+    if n % k:
+        below = max(d for d in range(1, k) if n % d == 0)
+        above = next((d for d in range(k + 1, n + 1) if n % d == 0), None)
+        near = f"{below}" + (f" or {above}" if above else "")
+        raise ValueError(f"--ranks-per-host {k} does not divide --num-processes {n}: every host runs the same "
+                         f"number of ranks (N = hosts x K). Use a divisor of {n} (such as {near}), or a "
+                         f"--num-processes that is a multiple of {k} (such as {-(-n // k) * k})")
+
+
+def hierarchical_options(stage: int, n: int, k: int) -> List[str]:
+    """The options that differ from the plain stage for N ranks in hosts of K: HSDP at stages 1-3, hpZ at stage 3,
+    both only for 1 < K < N (the engine runs K = 1 or K = N as the plain stage)."""
+    if not 1 < k < n:
+        return ["none"]
+    return ["none"] + (["hsdp"] if stage >= 1 else []) + (["hpz"] if stage == 3 else [])
+
+
+def split_row(model_states: float, comm: Dict[str, Dict[str, float]], byte_of: Dict[str, int]) -> Dict[str, Any]:
+    """One (stage, option) row: memory per rank, and elements and bytes per kind on each side of the host
+    boundary with their totals."""
+    row: Dict[str, Any] = {"model_states": model_states, "comm_elements": comm,
+                           "comm_bytes": {side: {kind: v * byte_of[kind] for kind, v in kinds.items()}
+                                          for side, kinds in comm.items()}}
+    for side in ("intra", "inter"):
+        row[f"{side}_elements"] = sum(comm[side].values())
+        row[f"{side}_bytes"] = sum(row["comm_bytes"][side].values())
+    return row
+
+
+def hierarchical_formula_report(psi: float, n: int, k: int, r: Recipe, micro_batches: int = 1,
+                                stages: Sequence[int] = STAGES, frozen: float = 0) -> Dict[int, Dict[str, Any]]:
+    """{stage: {option: row}} from the paper's closed forms (formulas.hierarchical_*; no padding)."""
+    check_ranks_per_host(n, k)
+    byte_of = {"all_gather": r.param, "reduce_scatter": r.grad, "all_reduce": r.grad}
+    return {stage: {option: split_row(
+        hierarchical_state_bytes(psi, n, k, stage, option, r, frozen),
+        hierarchical_comm_elements(psi, n, k, stage, option, micro_batches, frozen=frozen), byte_of)
+        for option in hierarchical_options(stage, n, k)} for stage in stages}
+
+
+def secondary_bytes(plan: ShardPlan, k: int) -> int:
+    """hpZ's secondary parameter shard on each rank: 1/K of every stage-3 unit's padded flat groups, in their compute
+    dtype, except the root unit's (it stays gathered from forward to backward and is not gathered again)."""
+    root = set(plan.units[0].groups)
+    return sum(g.padded_numel // k * _elem(g.dtype) for g in plan.groups if g.index not in root)
+
+
+def _plan_row(planner: "Planner", stage: int, n: int, k: int, option: str, micro_batches: int,
+              optimizer_states: int) -> Dict[str, Any]:
+    """One plan-mode row: HSDP lays the model out over K ranks (plan_model(model, K, config): the K-way padding),
+    the others over N; memory is the worst rank's, communication counts the padded buffers."""
+    cfg = planner.config_for(stage)
+    partition = k if option == "hsdp" else n
+    plan = planner.plan(stage, partition)
+    worst = max_over_ranks(plan, cfg, optimizer_states)
+    trainable, frozen, root = comm_sizes(plan)
+    comm = hierarchical_comm_elements(trainable, n, k, stage, option, micro_batches,
+                                      resident=root if stage == 3 else 0, frozen=frozen)
+    extra = secondary_bytes(plan, k) if option == "hpz" else 0
+    row = split_row(worst["model_states"] + extra, comm, wire_bytes(plan, cfg))
+    row.update({"max": worst, "partition_size": plan.partition_size, "secondary_bytes": extra})
+    return row
+
+
+def hierarchical_plan_report(planner: "Planner", n: int, k: int, stages: Sequence[int] = STAGES,
+                             micro_batches: int = 1, optimizer_states: int = 2) -> Dict[int, Dict[str, Any]]:
+    """{stage: {option: row}} from hf_zero's planner (exact padded sizes; memory: the worst rank, hpZ's secondary
+    shard included)."""
+    check_ranks_per_host(n, k)
+    return {stage: {option: _plan_row(planner, stage, n, k, option, micro_batches, optimizer_states)
+                    for option in hierarchical_options(stage, n, k)} for stage in stages}
 
 
 # ------------------------------------------------------------------------------------------------- fits
