@@ -1,6 +1,7 @@
 """`hf-zero bench` end to end: every system trains the tiny GPT-2 and reports; hf_zero's measured communication
 matches the paper's formula up to padding; DeepSpeed's rows are measured when it is installed and skipped with the
-reason when it is not; --plot writes the PNG.
+reason when it is not; --plot writes the PNG. The hierarchical systems (zero3-hpz, zero2-hsdp) run on 4 ranks with
+--ranks-per-host 2 and match their formulas, all of it intra-host on this one machine; a bad K skips their rows.
 
 Ψ is counted here from the tiny preset's shapes (written out below, not read from hf_zero), so the check does not
 trust the numbers the engine reports about itself.
@@ -24,6 +25,8 @@ GRAD_ACCUM = 1  # the command's default
 HF_ZERO_SYSTEMS = ("zero0", "zero1", "zero2", "zero3")
 REQUIRED_SYSTEMS = ("ddp", "fsdp2") + HF_ZERO_SYSTEMS
 DEEPSPEED_SYSTEMS = ("deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
+HIERARCHICAL_SYSTEMS = ("zero1-hsdp", "zero2-hsdp", "zero3-hsdp", "zero3-hpz")
+H_WORLD, H_K = 4, 2  # the hierarchical runs: 4 ranks in (pretended) hosts of 2
 DEEPSPEED_INSTALLED = importlib.util.find_spec("deepspeed") is not None  # installed must mean it runs
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -45,7 +48,7 @@ def _counts():
     return psi, root, len(params)
 
 
-def _run_bench(args, hide=(), hide_dir=None, timeout=600):
+def _run_bench(args, hide=(), hide_dir=None, timeout=600, world=WORLD, steps=2, warmup=1):
     """Run `hf-zero bench` in a subprocess; `hide`: modules made unimportable, as on a machine without them (a
     module of that name in `hide_dir`, first on PYTHONPATH, that raises ImportError)."""
     path = [ROOT]
@@ -57,8 +60,8 @@ def _run_bench(args, hide=(), hide_dir=None, timeout=600):
                 f.write(f"raise ImportError('{name} is hidden by the test')\n")
         path.insert(0, fake)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "hf_zero.cli", "bench", "--preset", "tiny", "--steps", "2", "--warmup", "1",
-           "--num-processes", str(WORLD)] + list(args)
+    cmd = [sys.executable, "-m", "hf_zero.cli", "bench", "--preset", "tiny", "--steps", str(steps), "--warmup",
+           str(warmup), "--num-processes", str(world)] + list(args)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -88,6 +91,7 @@ def test_every_system_has_a_row(bench):
     data, proc, _ = bench
     requested = data["settings"]["systems"]
     assert set(REQUIRED_SYSTEMS + DEEPSPEED_SYSTEMS) <= set(requested), requested
+    assert not set(HIERARCHICAL_SYSTEMS) & set(requested), "the hierarchical systems are not part of `all`"
     rows = {r["system"]: r for r in data["rows"]}
     assert list(rows) == requested, "one row per requested system, in order"
     psi, _, _ = _counts()
@@ -153,6 +157,12 @@ def test_hf_zero_comm_matches_the_formula(bench):
         assert row["comm_elements_measured"] == pytest.approx(sum(kinds.values()))
         assert row["comm_elements_formula"] == pytest.approx(sum(formula.values()))
         total_formula = sum(formula.values())
+        if stage == 3:  # the formula counts the resident root as hf_zero runs it
+            assert formula["all_gather"] == m * (2 * psi - root), formula
+        # one host: everything intra, measured and by the formula
+        assert row["num_hosts"] == 1 and row["comm_elements_measured_inter"] == 0, row
+        assert row["comm_elements_measured_intra"] == row["comm_elements_measured"], row
+        assert row["comm_elements_formula_intra"] == pytest.approx(total_formula), row
         if stage < 3:
             within(row["comm_elements_measured"], total_formula, total_formula + 3 * m * pad, f"stage {stage} total")
 
@@ -233,3 +243,102 @@ def test_plot_without_matplotlib_is_a_clear_error_before_any_run(tmp_path):
     assert "--plot needs matplotlib" in proc.stderr and "pip install" in proc.stderr, proc.stderr
     assert "[1/1] ddp" not in proc.stderr, "the check comes before the benchmark"
     assert not (tmp_path / "out.json").exists() and not (tmp_path / "x.png").exists()
+
+
+# ------------------------------------------------------------------------------------------ hierarchical systems
+@pytest.fixture(scope="module")
+def hierarchical(tmp_path_factory):
+    """zero3-hpz and zero2-hsdp on 4 ranks with K = 2, one step and no warm-up (the step's collectives are the same
+    from the first one; 4 ranks on this machine take ~1 min, the reason the module is slow)."""
+    out = tmp_path_factory.mktemp("bench_hier") / "out.json"
+    proc = _run_bench(["--systems", "zero3-hpz,zero2-hsdp", "--ranks-per-host", str(H_K), "--json", str(out)],
+                      world=H_WORLD, steps=1, warmup=0)
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return {r["system"]: r for r in _read_json(out)["rows"]}, proc
+
+
+def _within(value, lo, hi, what):
+    assert lo <= value <= hi, f"{what}: {value:,.0f} not in [{lo:,.0f}, {hi:,.0f}]"
+
+
+def _assert_one_host(row):
+    """This machine is one host: no collective leaves it, measured or by the formula for the run's hosts."""
+    assert (row["num_hosts"], row["host_size"]) == (1, H_WORLD), row
+    assert row["comm_elements_measured_inter"] == 0 and row["comm_elements_formula_inter"] == 0, row
+    assert row["comm_elements_measured_intra"] == pytest.approx(row["comm_elements_measured"]), row
+    assert row["comm_elements_formula_intra"] == pytest.approx(row["comm_elements_formula"]), row
+    assert row["comm_elements_measured_split_by_kind"]["inter"] == {}, row
+
+
+def test_hpz_row_matches_its_formulas(hierarchical):
+    """hpZ: forward all-gather over N (Ψ), backward all-gather over K from the secondary shard (Ψ - root: the root
+    stays gathered), reduce-scatter over N (Ψ); model states plain stage 3 over N, the secondary shard 4(Ψ - root)/K
+    (fp32) beside them."""
+    rows, proc = hierarchical
+    row = rows["zero3-hpz"]
+    assert row["status"] == "ok", row.get("error", row["status"])
+    assert row["engine_topology"] == {"option": "hpz", "group_size": H_K, "num_hosts": 1}, row
+    psi, root, n_tensors = _counts()
+    pad = n_tensors * (H_WORLD - 1)  # per pass: each flat group pads fewer than N elements (the slices split that)
+    formula = psi + (psi - root) + psi
+    assert row["comm_elements_formula"] == formula, row
+    assert row["comm_elements_formula_by_kind"] == {"all_gather": 2 * psi - root, "reduce_scatter": psi}, row
+    _within(row["comm_elements_measured"], formula, formula + 3 * pad, "hpZ elements per step")
+    _assert_one_host(row)
+    _within(row["state_bytes_measured"] - 16 * psi / H_WORLD, 0, 16 * pad + 8 * n_tensors, "hpZ model states")
+    secondary = 4 * (psi - root) / H_K
+    assert row["hpz_secondary_formula_bytes"] == secondary, row
+    _within(row["hpz_secondary_peak_bytes"], secondary, secondary + 4 * pad / H_K, "hpZ secondary shard bytes")
+    assert "zero3-hpz" in proc.stdout
+
+
+def test_hsdp_row_matches_its_formulas(hierarchical):
+    """Stage 2 HSDP over groups of K: reduce-scatter and all-gather of Ψ inside the group, the all-reduce of the
+    Ψ/K gradient shard across the N/K replicas (2Ψ/K); model states stage 2 over K: 4Ψ + 12Ψ/K (fp32)."""
+    rows, proc = hierarchical
+    row = rows["zero2-hsdp"]
+    assert row["status"] == "ok", row.get("error", row["status"])
+    assert row["engine_topology"] == {"option": "hsdp", "group_size": H_K, "num_hosts": 1}, row
+    psi, _, n_tensors = _counts()
+    pad = n_tensors * (H_K - 1)  # groups are padded to a multiple of K
+    kinds = {"reduce_scatter": psi, "all_gather": psi, "all_reduce": 2 * psi / H_K}
+    assert row["comm_elements_formula_by_kind"] == pytest.approx(kinds), row
+    formula = sum(kinds.values())
+    _within(row["comm_elements_measured"], formula, formula + (2 + 2 / H_K) * pad, "HSDP elements per step")
+    assert set(row["comm_elements_measured_by_kind"]) == set(kinds), row
+    _assert_one_host(row)
+    state = 4 * psi + 12 * psi / H_K
+    assert row["state_bytes_formula"] == pytest.approx(state), row
+    _within(row["state_bytes_measured"] - state, 0, 16 * pad + 8 * n_tensors, "HSDP model states")
+    assert row["hpz_secondary_peak_bytes"] == 0, row
+    assert "zero2-hsdp" in proc.stdout
+
+
+def test_bad_ranks_per_host_skips_the_rows_with_the_reason(tmp_path):
+    """K = 3 does not divide 4 ranks: both rows are skipped, naming the flag and the K that would do, no worker is
+    started and the command succeeds."""
+    out = tmp_path / "out.json"
+    proc = _run_bench(["--systems", "zero3-hpz,zero2-hsdp", "--ranks-per-host", "3", "--json", str(out)],
+                      world=H_WORLD, timeout=300)
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    rows = _read_json(out)["rows"]
+    assert [r["system"] for r in rows] == ["zero3-hpz", "zero2-hsdp"]
+    for row in rows:
+        assert row["status"] == "skipped", row
+        assert row["reason"] == "--ranks-per-host 3 does not divide N=4 ranks; give --ranks-per-host K, one of 2", row
+    assert proc.stdout.count("skipped: --ranks-per-host 3 does not divide") == 2, proc.stdout
+    assert "zero3-hpz ..." not in proc.stderr, "no worker group for a skipped row"
+
+
+@pytest.mark.parametrize("n, k, reason", [
+    (2, None, "N=2 (--num-processes) has no such K"),  # no default: nothing between 1 and N divides 2
+    (9, None, "the default N//2 needs an even N"),
+    (4, 4, "is the plain stage"),
+    (4, 1, "is the plain stage"),
+])
+def test_ranks_per_host_reasons(n, k, reason):
+    from hf_zero.tools.bench.runner import resolve_group_size
+
+    got, why = resolve_group_size(n, k)
+    assert got is None and reason in why and "--ranks-per-host" in why, why
+    assert resolve_group_size(4, None) == (2, None) and resolve_group_size(8, 4) == (4, None)

@@ -27,6 +27,7 @@ class Settings:
     seed: int
     timeout_s: float
     threads_per_rank: int = 1
+    ranks_per_host: Optional[int] = None  # --ranks-per-host: K of the hierarchical systems (None: the default)
 
     @property
     def tokens_per_step(self) -> int:
@@ -60,6 +61,11 @@ class Trainer:
 
     def comm_elements(self) -> Optional[Dict[str, float]]:
         """Cumulative elements sent per collective kind (paper counting), or None when not measured."""
+        return None
+
+    def comm_split(self) -> Optional[Dict[str, Dict[str, float]]]:
+        """The same cumulative elements as {"intra": {kind: n}, "inter": {kind: n}} (a collective over a group that
+        spans hosts is inter-host), or None when the system has no such ledger."""
         return None
 
     def row_extras(self) -> Dict[str, Any]:

@@ -7,12 +7,12 @@ import math
 import sys
 import time
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .base import Settings, cpu_count, extensions_dir
 from .load import LOAD_PRESETS, add_load_arguments, resolve_model_config, run_load
-from .runner import (DEFAULT_TIMEOUT_S, PRESETS, SYSTEMS, log, max_positions,
-                    build_config, run_system, skipped_row)
+from .runner import (DEFAULT_TIMEOUT_S, PRESETS, RANKS_PER_HOST_FLAG, SYSTEMS, log, max_positions,
+                     build_config, run_system, skipped_row)
 
 
 # ====================================================================================================== table
@@ -32,23 +32,34 @@ def status_text(row: Dict[str, Any]) -> str:
     return f"{status}: {row['reason']}" if status == "skipped" and row.get("reason") else status
 
 
+def _pair(measured: Optional[float], formula: Optional[float], fmt: Callable[[Optional[float]], str]) -> str:
+    """"measured (formula)" in one cell; n/a where neither exists (the torch systems have no intra/inter-host
+    ledger)."""
+    if measured is None and formula is None:
+        return "n/a"
+    return f"{fmt(measured)} ({fmt(formula)})"
+
+
 def format_table(rows: List[Dict[str, Any]]) -> str:
-    """The rows as an aligned text table (one line per system, skipped and failed ones included)."""
-    header = ["system", "tokens/s", "x DDP", "state MiB/rank measured", "state MiB/rank formula", "peak MiB/rank",
-              "comm elems/step measured", "comm elems/step formula", "status"]
+    """The rows as an aligned text table (one line per system, skipped and failed ones included); each measured
+    figure is followed by its formula in parentheses."""
+    header = ["system", "tokens/s", "x DDP", "state MiB/rank (formula)", "peak MiB/rank",
+              "comm elems/step (formula)", "intra-host (formula)", "inter-host (formula)", "status"]
     body = []
     for r in rows:
         ok = r.get("status") == "ok"
         ratio = r.get("x_ddp")
+        comm = {w: _pair(r.get(f"comm_elements_measured{w}"), r.get(f"comm_elements_formula{w}"), _fmt_count)
+                for w in ("", "_intra", "_inter")}
         body.append([
             r["system"],
             f"{r['tokens_per_s']:,.1f}" if ok else "-",
             f"{ratio:.3f}" if ratio is not None else "n/a",
-            _fmt_mib(r.get("state_bytes_measured")) if ok else "-",
-            _fmt_mib(r.get("state_bytes_formula")) if ok else "-",
+            _pair(r.get("state_bytes_measured"), r.get("state_bytes_formula"), _fmt_mib) if ok else "-",
             _fmt_mib(r.get("peak_bytes")) if ok else "-",
-            _fmt_count(r.get("comm_elements_measured")) if ok else "-",
-            _fmt_count(r.get("comm_elements_formula")) if ok else "-",
+            comm[""] if ok else "-",
+            comm["_intra"] if ok else "-",
+            comm["_inter"] if ok else "-",
             status_text(r),
         ])
     widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
@@ -61,6 +72,9 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
 
 
 # ====================================================================================================== CLI
+HIERARCHICAL = "hierarchical"  # --systems alias: hf_zero's HSDP and hpZ systems
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--preset", choices=sorted({**PRESETS, **LOAD_PRESETS}), default=None,
@@ -69,7 +83,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--config", default=None, metavar="PATH",
                        help="a Transformers config.json (with model_type) to build the causal LM from")
     parser.add_argument("--systems", default="all",
-                        help=f"comma-separated systems or 'all' (default); known: {', '.join(SYSTEMS)}")
+                        help=f"comma-separated systems or 'all' (default: every system but hf_zero's hierarchical "
+                             f"ones); known: {', '.join(SYSTEMS)}; '{HIERARCHICAL}' is "
+                             f"{', '.join(n for n, s in SYSTEMS.items() if not s.in_all)}")
+    parser.add_argument(RANKS_PER_HOST_FLAG, dest="ranks_per_host", type=int, default=None, metavar="K",
+                        help="group size K of the hierarchical systems (zero*-hsdp: shard_group_size=K, zero3-hpz: "
+                             "hpz_partition_size=K), as if the ranks ran on hosts of K; 1 < K < N dividing N "
+                             "(default N//2 for an even N >= 4; otherwise those rows are skipped). The run itself "
+                             "is on this one host, so its inter-host traffic is 0")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first (default 1)")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank per micro-batch (default 2)")
@@ -93,11 +114,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _parse_systems(text: str) -> List[str]:
     if text.strip().lower() == "all":
-        return list(SYSTEMS)
-    names = [n.strip() for n in text.split(",") if n.strip()]
+        return [name for name, spec in SYSTEMS.items() if spec.in_all]
+    names: List[str] = []
+    for n in (n.strip() for n in text.split(",")):
+        if n == HIERARCHICAL:
+            names += [k for k, spec in SYSTEMS.items() if spec.option != "none"]
+        elif n:
+            names.append(n)
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
-        raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+        raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)} (or {HIERARCHICAL})")
     if not names:
         raise ValueError("--systems is empty")
     seen: List[str] = []
@@ -111,7 +137,7 @@ def _run_one(i: int, system: str, systems: List[str], settings: Settings) -> Dic
     """One system's row: skipped when its optional extra is missing, else run in its own worker group."""
     tag = f"[{i + 1}/{len(systems)}] {system}"
     spec = SYSTEMS[system]
-    reason = spec.unavailable() if spec.unavailable is not None else None
+    reason = spec.unavailable(settings) if spec.unavailable is not None else None
     if reason is not None:
         log(f"{tag} skipped: {reason}")
         return skipped_row(system, reason)
@@ -128,13 +154,13 @@ def _run_one(i: int, system: str, systems: List[str], settings: Settings) -> Dic
 
 def run(args: argparse.Namespace) -> int:
     """`hf-zero bench`: run every requested system, print the table, write --json and --plot; the exit code is
-    1 when an hf_zero system failed, 2 on bad arguments, else 0 (peers that fail or are skipped do not count)."""
+    1 when an hf_zero system failed, 2 on bad arguments, else 0 (skipped rows and failed peers do not count)."""
     if getattr(args, "load", False):
         return run_load(args)  # load.py: from a save_pretrained folder to a sharded model, per system
     try:
         systems = _parse_systems(args.systems)
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "num_processes"):
-            if getattr(args, name) < 1:
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "num_processes", "ranks_per_host"):
+            if getattr(args, name, None) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         if args.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
@@ -163,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
         mixed_precision=args.mixed_precision, num_processes=world, lr=args.lr, seed=args.seed,
         timeout_s=args.timeout, threads_per_rank=max(1, cpu_count() // world),
+        ranks_per_host=getattr(args, "ranks_per_host", None),
     )
     log(f"model {model_name}, world {world} ({'nccl' if torch.cuda.is_available() else 'gloo'}), "
          f"batch {settings.batch_size} x seq {settings.seq_len} x accum {settings.grad_accum} per rank, "
@@ -201,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
                                          f"mixed precision {settings.mixed_precision}")
         log(f"plot written to {args.plot}")
 
-    failed_hf_zero = [r["system"] for r in rows if r["status"] != "ok" and r.get("hf_zero")]
+    # A skipped hf_zero row (a hierarchical option without a usable K) said why; only a failed one fails the run.
+    failed_hf_zero = [r["system"] for r in rows if r["status"] not in ("ok", "skipped") and r.get("hf_zero")]
     if failed_hf_zero:
         log(f"hf_zero system(s) failed: {', '.join(failed_hf_zero)}")
         return 1

@@ -1,5 +1,5 @@
-"""hf-zero bench: train one causal LM under DDP, FSDP2, torch's ZeroRedundancyOptimizer, hf_zero stages 0-3 and
-DeepSpeed ZeRO-1/2/3.
+"""hf-zero bench: train one causal LM under DDP, FSDP2, torch's ZeroRedundancyOptimizer, hf_zero stages 0-3 (and,
+on request, its hierarchical options HSDP and hpZ) and DeepSpeed ZeRO-1/2/3.
 
 Every system runs in its own freshly spawned group of worker processes (gloo on CPU, nccl on CUDA), so peak memory
 is per system. Each trains the same model (built from a config, dropout off, same seed) on the same deterministic
@@ -14,7 +14,14 @@ ranks:
 - peak memory per rank (CPU: VmHWM, the peak RSS; CUDA: torch.cuda.max_memory_allocated);
 - elements communicated per step, measured (hf_zero: its collective ledger, data kinds only; DDP: a comm hook
   counting 2x each all-reduced bucket; DeepSpeed: every torch.distributed collective, scalars left out) beside the
-  formula (`hf_zero.tools.estimate.formulas.comm_elements_per_step`).
+  formula (`hf_zero.tools.estimate.formulas.comm_elements_per_step`; hf_zero's rows: `hierarchical_comm_elements`,
+  with the root unit resident at stage 3); hf_zero's rows also split them into intra-host and inter-host, measured
+  (the ledger) and by the formula for the hosts the run had (the bench runs on one host: everything intra).
+
+The hierarchical systems (zero1-hsdp, zero2-hsdp, zero3-hsdp: `shard_group_size=K`; zero3-hpz:
+`hpz_partition_size=K`) take K from `--ranks-per-host` (default N//2 for an even N >= 4; otherwise, or for a K that
+is 1, N or no divisor of N, the row is skipped with the reason). They are not in `all` (four more worker groups);
+`--systems hierarchical` runs the four.
 
 Systems live in the SYSTEMS registry below (name -> SystemSpec with a builder); add peers there. A peer from an
 optional extra (DeepSpeed: `pip install deepspeed`) that cannot be imported gets a row with status "skipped" and the
@@ -27,6 +34,7 @@ import argparse
 import datetime
 import json
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -37,7 +45,8 @@ from .base import Settings, Trainer, WorkerContext, init_worker_group
 from .spawn import error_summary, first_error, spawn, worker_done, worker_failed
 from .trainers import DDPTrainer, FSDP2Trainer, HfZeroTrainer, ZeroRedundancyTrainer
 
-HF_ZERO_PREFIX = "zero"  # zero0..zero3 are hf_zero; their failure makes the exit code non-zero
+HF_ZERO_PREFIX = "zero"  # zero0..zero3 (and zero*-hsdp, zero3-hpz) are hf_zero; their failure fails the command
+RANKS_PER_HOST_FLAG = "--ranks-per-host"
 DEFAULT_TIMEOUT_S = 1800
 
 PRESETS: Dict[str, Dict[str, Any]] = {
@@ -86,6 +95,19 @@ def max_positions(config) -> Optional[int]:
 
 
 # ====================================================================================================== registry
+@dataclass(frozen=True)
+class Counts:
+    """What the formulas take from the model and the run."""
+
+    psi: float  # trainable elements (tied weights once)
+    frozen: float  # frozen elements
+    resident: float  # the root unit's elements: hf_zero's stage 3 keeps them gathered from forward to backward
+    world: int  # N
+
+
+Split = Dict[str, Dict[str, float]]  # {"intra": {kind: elements}, "inter": {kind: elements}}
+
+
 @dataclass
 class SystemSpec:
     """A benchmarked system: how to build its trainer on one rank, and how the paper counts it."""
@@ -93,12 +115,15 @@ class SystemSpec:
     build: Callable[[Any, "WorkerContext"], Trainer]
     state_stage: int  # model_state_bytes() stage
     recipe: Callable[[Settings], Any]  # -> hf_zero.tools.estimate.formulas.Recipe
-    comm_formula: Callable[[float, float, Settings], Dict[str, float]]  # Ψ, Ψ_frozen, settings -> elements per kind
+    comm_formula: Callable[[Counts, Settings], Dict[str, float]]  # -> elements per kind and step
     hf_zero: bool = False
     note: str = ""
-    # An optional peer: returns None when it can run here, else why not (the row is then "skipped").
-    unavailable: Optional[Callable[[], Optional[str]]] = None
+    # Returns None when the system can run with these settings, else why not (the row is then "skipped"): an
+    # optional peer that is not installed, a hierarchical option without a usable K.
+    unavailable: Optional[Callable[[Settings], Optional[str]]] = None
     jit_extensions: bool = False  # may JIT-compile torch extensions: give it a temporary TORCH_EXTENSIONS_DIR
+    option: str = "none"  # hf_zero's hierarchical option ("hsdp", "hpz") over groups of --ranks-per-host ranks
+    in_all: bool = True  # part of `--systems all`
 
 
 def _fp32_recipe(settings: Settings):
@@ -114,20 +139,80 @@ def _hf_zero_recipe(settings: Settings):
     return recipe(settings.mixed_precision, ZeroConfig().grad_accum_dtype)
 
 
-def _paper_comm(stage: int) -> Callable[[float, float, Settings], Dict[str, float]]:
-    def formula(psi: float, frozen: float, settings: Settings) -> Dict[str, float]:
+def _paper_comm(stage: int) -> Callable[[Counts, Settings], Dict[str, float]]:
+    def formula(counts: Counts, settings: Settings) -> Dict[str, float]:
         from ..estimate.formulas import comm_elements_per_step
 
-        return comm_elements_per_step(psi, stage, settings.grad_accum, frozen=frozen)
+        return comm_elements_per_step(counts.psi, stage, settings.grad_accum, frozen=counts.frozen)
 
     return formula
 
 
-def _zero_redundancy_comm(psi: float, frozen: float, settings: Settings) -> Dict[str, float]:
-    return {"all_reduce": 2 * psi, "broadcast": psi}  # DDP's all-reduce, then every shard broadcast after the step
+def _zero_redundancy_comm(counts: Counts, settings: Settings) -> Dict[str, float]:
+    return {"all_reduce": 2 * counts.psi, "broadcast": counts.psi}  # DDP's all-reduce, then each shard broadcast
 
 
-def _deepspeed_unavailable() -> Optional[str]:
+def resolve_group_size(n: int, k: Optional[int]) -> Tuple[Optional[int], Optional[str]]:
+    """(K, None): the group size of the hierarchical systems on N ranks for `--ranks-per-host k` (None: the
+    default N//2), or (None, why they cannot run). K = 1 or K = N would quietly be the plain stage (the engine
+    turns the option off), so such a row is skipped rather than measured under the option's name."""
+    divisors = [d for d in range(2, n) if n % d == 0]
+    if not divisors:
+        return None, (f"needs {RANKS_PER_HOST_FLAG} K with 1 < K < N dividing N, and N={n} (--num-processes) "
+                      f"has no such K")
+    usable = f"give {RANKS_PER_HOST_FLAG} K, one of {', '.join(map(str, divisors))}"
+    if k is None:
+        if n % 2 == 0:
+            return n // 2, None
+        return None, f"needs {RANKS_PER_HOST_FLAG} K (the default N//2 needs an even N, got N={n}); {usable}"
+    if k in (1, n):
+        return None, f"{RANKS_PER_HOST_FLAG} {k} with N={n} ranks is the plain stage (K = 1 or K = N); {usable}"
+    if n % k:
+        return None, f"{RANKS_PER_HOST_FLAG} {k} does not divide N={n} ranks; {usable}"
+    return k, None
+
+
+def group_size(option: str, settings: Settings) -> int:
+    """K of a system's groups: N for the plain systems, the resolved --ranks-per-host for the hierarchical ones."""
+    if option == "none":
+        return settings.num_processes
+    k, reason = resolve_group_size(settings.num_processes, settings.ranks_per_host)
+    if k is None:
+        raise ValueError(reason)
+    return k
+
+
+def _hf_zero_split(counts: Counts, settings: Settings, stage: int, option: str, k: int) -> Split:
+    from ..estimate.formulas import hierarchical_comm_elements
+
+    return hierarchical_comm_elements(counts.psi, counts.world, k, stage, option, settings.grad_accum,
+                                      resident=counts.resident if stage == 3 else 0, frozen=counts.frozen)
+
+
+def _merged(split: Split) -> Dict[str, float]:
+    out: Dict[str, float] = {}
+    for kinds in split.values():
+        for kind, n in kinds.items():
+            out[kind] = out.get(kind, 0) + n
+    return out
+
+
+def formula_split_for_hosts(spec: SystemSpec, counts: Counts, settings: Settings,
+                            host_size: Optional[int]) -> Optional[Split]:
+    """An hf_zero system's formula elements split for the hosts the run had (`host_size` ranks each): on one host
+    everything is intra, whatever the option's K; None where the formulas do not cover the layout (hosts of
+    another size than the option's groups)."""
+    n, k = counts.world, group_size(spec.option, settings)
+    if host_size == n:
+        return {"intra": spec.comm_formula(counts, settings), "inter": {}}
+    if spec.option == "none" and host_size is not None and n % host_size == 0:
+        return _hf_zero_split(counts, settings, spec.state_stage, "none", host_size)
+    if host_size == k:
+        return _hf_zero_split(counts, settings, spec.state_stage, spec.option, k)
+    return None
+
+
+def _deepspeed_unavailable(settings: Settings) -> Optional[str]:
     from .deepspeed import unavailable_reason
 
     return unavailable_reason()
@@ -153,9 +238,20 @@ def _deepspeed_spec(stage: int) -> SystemSpec:
         note=f"DeepSpeed ZeRO-{stage} ({settings}); comm counted at torch.distributed (scalars left out)")
 
 
-def _hf_zero_spec(stage: int) -> SystemSpec:
-    return SystemSpec(build=lambda model, ctx: HfZeroTrainer(model, ctx, stage), state_stage=stage,
-                      recipe=_hf_zero_recipe, comm_formula=_paper_comm(stage), hf_zero=True)
+def _hf_zero_spec(stage: int, option: str = "none") -> SystemSpec:
+    """hf_zero at `stage`; the totals of its comm formula use the option's own K (the split is per run's hosts)."""
+    def build(model, ctx: WorkerContext) -> Trainer:
+        return HfZeroTrainer(model, ctx, stage, option, group_size(option, ctx.settings))
+
+    def comm(counts: Counts, settings: Settings) -> Dict[str, float]:
+        return _merged(_hf_zero_split(counts, settings, stage, option, group_size(option, settings)))
+
+    if option == "none":
+        return SystemSpec(build=build, state_stage=stage, recipe=_hf_zero_recipe, comm_formula=comm, hf_zero=True)
+    field = "shard_group_size" if option == "hsdp" else "hpz_partition_size"
+    return SystemSpec(build=build, state_stage=stage, recipe=_hf_zero_recipe, comm_formula=comm, hf_zero=True,
+                      option=option, in_all=False, note=f"hf_zero stage {stage}, {field}=K ({RANKS_PER_HOST_FLAG} K)",
+                      unavailable=lambda s: resolve_group_size(s.num_processes, s.ranks_per_host)[1])
 
 
 # Name -> system. The order is the run order; "ddp" first, it is the reference for the "x DDP" column.
@@ -168,6 +264,9 @@ SYSTEMS: Dict[str, SystemSpec] = {
         build=lambda model, ctx: ZeroRedundancyTrainer(model, ctx), state_stage=1, recipe=_fp32_recipe,
         comm_formula=_zero_redundancy_comm, note="comm formula: DDP all-reduce 2Ψ + parameter broadcast Ψ"),
     **{f"zero{k}": _hf_zero_spec(k) for k in range(4)},
+    # hf_zero's hierarchical options, over groups of --ranks-per-host ranks (not in `all`).
+    **{f"zero{k}-hsdp": _hf_zero_spec(k, "hsdp") for k in range(1, 4)},
+    "zero3-hpz": _hf_zero_spec(3, "hpz"),
     # Peers from optional extras (never dependencies): a builder returns a Trainer; `unavailable` says when the
     # extra is missing, and the row is skipped with that reason.
     **{f"deepspeed_zero{k}": _deepspeed_spec(k) for k in range(1, 4)},
@@ -192,6 +291,58 @@ def _peak_bytes(device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: kB
 
 
+def _resident(model) -> int:
+    """The root unit's elements (everything outside the repeated blocks; a weight tied across units counts there):
+    hf_zero's stage 3 keeps them gathered from the forward through the backward. Unpadded, from the planner's pure
+    layout on one rank."""
+    from ... import ZeroConfig
+    from ...engine.planning import plan_model
+
+    plan = plan_model(model, 1, ZeroConfig(stage=3))
+    return sum(plan.groups[i].numel for i in plan.units[0].groups)
+
+
+def _per_step(after: Dict[str, float], before: Optional[Dict[str, float]], steps: int) -> Dict[str, float]:
+    """The timed steps' elements per step, kinds that sent nothing left out."""
+    out = {k: (v - (before or {}).get(k, 0)) / steps for k, v in after.items()}
+    return {k: v for k, v in out.items() if v}
+
+
+def _max_by_kind(per_rank: List[Dict[str, float]]) -> Dict[str, float]:
+    return {k: max(r.get(k, 0) for r in per_rank) for r in per_rank for k in r}
+
+
+def _host_size(hosts: List[str]) -> Optional[int]:
+    """Ranks per host when every host ran as many (consecutive blocks or not: the split formulas only need K)."""
+    counts = {h: hosts.count(h) for h in hosts}
+    return next(iter(counts.values())) if len(set(counts.values())) == 1 else None
+
+
+def _split_fields(everyone: List[Dict[str, Any]], formula: Optional[Split]) -> Dict[str, Any]:
+    """The row's intra/inter-host fields: measured (max over ranks) and the formula's split for the run's hosts."""
+    out: Dict[str, Any] = {}
+    if all(r["comm_split"] is not None for r in everyone):
+        by_kind = {w: _max_by_kind([r["comm_split"][w] for r in everyone]) for w in ("intra", "inter")}
+        out["comm_elements_measured_split_by_kind"] = by_kind
+        for w in ("intra", "inter"):
+            out[f"comm_elements_measured_{w}"] = max(sum(r["comm_split"][w].values()) for r in everyone)
+    if formula is not None:
+        out["comm_elements_formula_split_by_kind"] = formula
+        for w in ("intra", "inter"):
+            out[f"comm_elements_formula_{w}"] = sum(formula[w].values())
+    return out
+
+
+def _hierarchical_fields(spec: SystemSpec, counts: Counts, settings: Settings, recipe) -> Dict[str, Any]:
+    """hf_zero rows: the option and its K; hpZ: the secondary shard's formula, P (Ψ' - r) / K bytes (not a model
+    state: it lives from a unit's forward to its backward)."""
+    k = group_size(spec.option, settings)
+    out: Dict[str, Any] = {"option": spec.option, "group_size": k}
+    if spec.option == "hpz":
+        out["hpz_secondary_formula_bytes"] = recipe.param * (counts.psi + counts.frozen - counts.resident) / k
+    return out
+
+
 def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -207,6 +358,7 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
     model.train()
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)  # distinct tensors: tied weights once
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # counted apart (never reduced)
+    counts = Counts(psi, frozen, _resident(model), ctx.world_size)
     vocab = int(config.vocab_size)
 
     gen = torch.Generator().manual_seed(s.seed * 1000 + ctx.rank)  # each rank its own slice of the data
@@ -234,31 +386,39 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
         one_step()
     sync()
     dist.barrier()
-    comm_before = trainer.comm_elements()
+    comm_before, split_before = trainer.comm_elements(), trainer.comm_split()
     t0 = time.perf_counter()
     for _ in range(s.steps):
         one_step()
     sync()
     elapsed = time.perf_counter() - t0
-    comm_after = trainer.comm_elements()
-    comm = None
-    if comm_after is not None:
-        comm = {k: (v - (comm_before or {}).get(k, 0)) / s.steps for k, v in comm_after.items()}
-        comm = {k: v for k, v in comm.items() if v}
+    comm_after, split_after = trainer.comm_elements(), trainer.comm_split()
+    comm = None if comm_after is None else _per_step(comm_after, comm_before, s.steps)
+    split = None if split_after is None else {
+        w: _per_step(split_after[w], (split_before or {}).get(w), s.steps) for w in ("intra", "inter")}
 
     mine = {"elapsed": elapsed, "state_bytes": trainer.state_bytes(), "peak_bytes": _peak_bytes(ctx.device),
-            "comm": comm, "loss": losses[-1] if losses else float("nan")}
+            "comm": comm, "comm_split": split, "host": socket.gethostname(),
+            "loss": losses[-1] if losses else float("nan")}
     everyone: List[Dict[str, Any]] = [None] * ctx.world_size  # type: ignore[list-item]
     dist.all_gather_object(everyone, mine)
 
     recipe = spec.recipe(s)
-    comm_formula = spec.comm_formula(psi, frozen, s)
+    comm_formula = spec.comm_formula(counts, s)
     comm_measured = None
     if all(r["comm"] is not None for r in everyone):
         comm_measured = max(sum(r["comm"].values()) for r in everyone)
-        comm_by_kind = {k: max(r["comm"].get(k, 0) for r in everyone) for r in everyone for k in r["comm"]}
+        comm_by_kind = _max_by_kind([r["comm"] for r in everyone])
     else:
         comm_by_kind = None
+    hosts = [r["host"] for r in everyone]
+    # The hosts the run had (host_size: ranks on each), which the formula's intra/inter split is for.
+    extra: Dict[str, Any] = {"num_hosts": len(set(hosts)), "host_size": _host_size(hosts)}
+    if spec.hf_zero:
+        formula_split = formula_split_for_hosts(spec, counts, s, extra["host_size"])
+        extra.update(_split_fields(everyone, formula_split), **_hierarchical_fields(spec, counts, s, recipe))
+    # HSDP partitions the model states K ways; hpZ's secondary shard is not a model state (plain stage 3 over N).
+    state_n = group_size(spec.option, s) if spec.option == "hsdp" else ctx.world_size
     elapsed_max = max(r["elapsed"] for r in everyone)
     return {
         "system": system,
@@ -266,12 +426,13 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
         "hf_zero": spec.hf_zero,
         "psi": psi,
         "psi_frozen": frozen,
+        "psi_resident": counts.resident,
         "world_size": ctx.world_size,
         "elapsed_s": elapsed_max,
         "tokens_per_s": s.tokens_per_step * s.steps / elapsed_max if elapsed_max > 0 else float("inf"),
         "state_bytes_measured": max(r["state_bytes"] for r in everyone),
-        "state_bytes_formula": model_state_bytes(psi, ctx.world_size, spec.state_stage, recipe, frozen),
-        "state_formula": {"stage": spec.state_stage, "recipe": asdict(recipe)},
+        "state_bytes_formula": model_state_bytes(psi, state_n, spec.state_stage, recipe, frozen),
+        "state_formula": {"stage": spec.state_stage, "partition": state_n, "recipe": asdict(recipe)},
         "peak_bytes": max(r["peak_bytes"] for r in everyone),
         "peak_kind": "cuda_max_memory_allocated" if ctx.device.type == "cuda" else "VmHWM",
         "comm_elements_measured": comm_measured,
@@ -280,6 +441,7 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
         "comm_elements_formula_by_kind": comm_formula,
         "loss_last_step": max(r["loss"] for r in everyone),
         "note": spec.note,
+        **extra,
         **trainer.row_extras(),
     }
 

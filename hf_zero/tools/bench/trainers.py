@@ -3,7 +3,7 @@ DeepSpeed lives in deepspeed.py). Each runs one rank's micro-steps and reports i
 where it can be measured, its communication."""
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 from .base import Trainer, WorkerContext, local_nbytes
 
@@ -131,16 +131,23 @@ class FSDP2Trainer(_TorchTrainer):
         return loss.detach()
 
 
-class HfZeroTrainer(Trainer):
-    """hf_zero: shard_model(model, AdamW, ZeroConfig(stage=k)); no_sync on non-final micro-batches."""
+# The hierarchical options as ZeroConfig spells them (K: the group size).
+_OPTION_FIELDS = {"hsdp": "shard_group_size", "hpz": "hpz_partition_size"}
 
-    def __init__(self, model, ctx: "WorkerContext", stage: int) -> None:
+
+class HfZeroTrainer(Trainer):
+    """hf_zero: shard_model(model, AdamW, ZeroConfig(stage=k)), with `option` "hsdp" / "hpz" over groups of
+    `group_size` ranks; no_sync on non-final micro-batches."""
+
+    def __init__(self, model, ctx: "WorkerContext", stage: int, option: str = "none",
+                 group_size: Optional[int] = None) -> None:
         import torch
 
         from ... import ZeroConfig, shard_model
 
         self.ctx = ctx
-        self.config = ZeroConfig(stage=stage, mixed_precision=ctx.settings.mixed_precision)
+        extra = {_OPTION_FIELDS[option]: group_size} if option != "none" else {}
+        self.config = ZeroConfig(stage=stage, mixed_precision=ctx.settings.mixed_precision, **extra)
         optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.settings.lr)
         self.engine = shard_model(model, optimizer, self.config, device=ctx.device)
         self.model = model
@@ -165,3 +172,17 @@ class HfZeroTrainer(Trainer):
 
         stats = self.engine.comm_stats()
         return {k: v["elements"] for k, v in stats.items() if k in DATA_KINDS}  # not "control", not "total"
+
+    def comm_split(self) -> Optional[Dict[str, Dict[str, float]]]:
+        from ...engine.comm import DATA_KINDS
+
+        stats = self.engine.comm_stats()
+        return {where: {k: v[f"{where}_elements"] for k, v in stats.items() if k in DATA_KINDS}
+                for where in ("intra", "inter")}
+
+    def row_extras(self) -> Dict[str, Any]:
+        topo = self.engine.topology
+        # The engine's own view of its groups: shows the option really ran (K = 1 or N would be the plain stage).
+        return {"engine_topology": {"option": topo.option, "group_size": topo.group_size,
+                                    "num_hosts": topo.num_hosts},
+                "hpz_secondary_peak_bytes": int(self.engine.memory_stats()["hpz_secondary_peak"])}
