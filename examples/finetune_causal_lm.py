@@ -94,6 +94,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g.add_argument("--allgather_bucket_size", type=int, default=None)
     g.add_argument("--activation_checkpointing", choices=["off", "on", "partitioned"], default=None)
     g.add_argument("--debug_collectives", action="store_true", default=None)
+    g.add_argument("--shard_group_size", type=_group_size, default=None, metavar="{K,host}",
+                   help="several hosts, HSDP: partition within each host, replicate across hosts")
+    g.add_argument("--hpz_partition_size", type=_group_size, default=None, metavar="{K,host}",
+                   help="several hosts, stage 3 (ZeRO++ hpZ): the backward all-gather stays inside each host")
     args = p.parse_args(argv)
 
     if args.tiny and args.model_name_or_path:
@@ -112,11 +116,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def _group_size(text: str):
+    return "host" if text == "host" else int(text)
+
+
 def zero_plugin_from_args(args: argparse.Namespace):
     """A ZeroPlugin when any ZeRO flag is given (flags not given keep ZeroPlugin's defaults); else None, and
     HfZeroAccelerator reads hf_zero.yaml."""
     keys = ("offload_optimizer", "offload_params", "prefetch", "reduce_bucket_size", "allgather_bucket_size",
-            "activation_checkpointing", "debug_collectives")
+            "activation_checkpointing", "debug_collectives", "shard_group_size", "hpz_partition_size")
     given = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     if args.zero_stage is None and not given:
         return None
