@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import shutil
 
@@ -429,8 +430,13 @@ def test_manifest_records_layout_and_no_pickle(saved_w2):
     from hf_zero.checkpoint import read_manifest
 
     m = read_manifest(saved_w2)
-    assert m["format_version"] == 2 and m["world_size"] == 2
-    assert sorted(m["files"]) == sorted(m["file_bytes"]) == [f"rank0000{r}-of-00002.safetensors" for r in (0, 1)]
+    assert m["format_version"] == 3 and m["world_size"] == 2 and m["partitions"] == 2
+    rank_files = [f"rank0000{r}-of-00002.safetensors" for r in (0, 1)]
+    assert sorted(m["files"]) == sorted(m["file_bytes"]) == ["buffers.safetensors", *rank_files]
+    # one shared disk: each file written once, by one rank
+    assert len(m["disks"]) == 1 and sorted(m["disks"][0]["ranks"]) == [0, 1]
+    assert {f: [r for _, r in w] for f, w in m["writers"].items()} == {
+        "buffers.safetensors": [0], rank_files[0]: [0], rank_files[1]: [1]}
     model = models.make_model("gpt2")
     assert m["model"]["state_dict_keys"] == list(model.state_dict())
     assert m["model"]["class"] == "GPT2LMHeadModel" and m["model"]["dtype"] == "float64"
@@ -440,3 +446,93 @@ def test_manifest_records_layout_and_no_pickle(saved_w2):
     for f in m["files"]:
         with open(os.path.join(saved_w2, f), "rb") as fh:
             assert not fh.read(4).startswith((b"PK", b"\x80"))
+
+
+# ------------------------------------------------------------------------------------------------ older formats
+def _to_format_2(src, dst):
+    """Rewrite a format-3 checkpoint as format 2 wrote it: rank files named by rank (the same names when
+    partitions == world size), the persistent buffers in rank 0's file under "buffer.<name>", no buffers file
+    and none of format 3's manifest keys."""
+    from safetensors.torch import load_file, save_file
+
+    from hf_zero.checkpoint.sharded import _sha256
+
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    assert m["partitions"] == m["world_size"]
+    buffers = load_file(dst / "buffers.safetensors")
+    (dst / "buffers.safetensors").unlink()
+    rank0 = dst / f"rank00000-of-{m['world_size']:05d}.safetensors"
+    tensors = load_file(rank0)
+    tensors.update({f"buffer.{k}": v for k, v in buffers.items()})
+    save_file(tensors, rank0, metadata={"format": "hf_zero-sharded"})
+    for key in ("partitions", "save_id", "buffers_file", "writers", "disks", "file_copies_sha256"):
+        m.pop(key)
+    names = [f"rank{r:05d}-of-{m['world_size']:05d}.safetensors" for r in range(m["world_size"])]
+    m.update(format_version=2, files={n: _sha256(dst / n) for n in names},
+             file_bytes={n: (dst / n).stat().st_size for n in names})
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+def _to_format_1(src, dst):
+    """Format 1: no state-dict layout (so no buffers), no file list or sizes, no recorded optimizer-state keys."""
+    dst = _to_format_2(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    for key in ("model", "files", "file_bytes"):
+        m.pop(key)
+    for g in m["groups"]:
+        g.pop("state_keys"), g.pop("scalar_keys")
+    m["format_version"] = 1
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+def _loaded(path):
+    engine = _engine_1proc()
+    manifest = load_checkpoint(engine, str(path))
+    state = engine.full_state_dict()
+    opt = {seg.slot.name: {k: v.clone() for k, v in engine.optimizer.state[seg.tensor].items()}
+           for seg in engine.optimizer.segments}
+    engine.close()
+    return manifest, state, opt
+
+
+def test_loads_format_2_and_1_checkpoints(saved_w2, tmp_path):
+    from hf_zero.checkpoint import CheckpointError
+
+    _, want, want_opt = _loaded(saved_w2)
+    v2 = _to_format_2(saved_w2, tmp_path / "v2")
+    v1 = _to_format_1(saved_w2, tmp_path / "v1")
+    for path, version in ((v2, 2), (v1, 1)):
+        manifest, state, opt = _loaded(path)
+        assert manifest["format_version"] == version
+        assert all(torch.equal(state[k], want[k]) for k in want), f"format {version}: weights differ"
+        assert opt.keys() == want_opt.keys() and all(
+            torch.equal(opt[n][k], want_opt[n][k]) for n in want_opt for k in want_opt[n]), f"format {version}"
+    export_pretrained(str(saved_w2), str(tmp_path / "e3"), progress=False)
+    export_pretrained(str(v2), str(tmp_path / "e2"), progress=False)
+    for f in os.listdir(tmp_path / "e3"):
+        assert (tmp_path / "e3" / f).read_bytes() == (tmp_path / "e2" / f).read_bytes(), f
+    with pytest.raises(CheckpointError, match="without the model's state-dict layout"):
+        export_pretrained(str(v1), str(tmp_path / "e1"), progress=False)
+
+
+def test_format_2_buffers_come_from_rank_0_file(tmp_path):
+    from hf_zero import ZeroConfig, shard_model
+
+    def engine_with_buffer():
+        model = models.make_model("gpt2").double()
+        model.transformer.register_buffer("hfz_scale", torch.linspace(0.5, 1.5, 7).double())
+        return shard_model(model, models.make_optimizer(model), ZeroConfig(stage=1))
+
+    engine = engine_with_buffer()
+    with torch.no_grad():
+        engine.model.transformer.hfz_scale.mul_(3)
+    save_checkpoint(engine, str(tmp_path / "ckpt"))
+    engine.close()
+    v2 = _to_format_2(tmp_path / "ckpt", tmp_path / "v2")
+    engine = engine_with_buffer()
+    load_checkpoint(engine, str(v2))
+    assert torch.equal(engine.model.transformer.hfz_scale, torch.linspace(0.5, 1.5, 7).double() * 3)
+    engine.close()

@@ -6,7 +6,10 @@ import sys
 
 
 def add_consolidate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a sharded checkpoint folder (hf_zero.checkpoint.save_checkpoint)")
+    parser.add_argument("checkpoints", nargs="+", metavar="checkpoint",
+                        help="a sharded checkpoint folder (hf_zero.checkpoint.save_checkpoint), or one per host when "
+                             "the hosts saved to disks of their own (each rank file is read from the folder that "
+                             "holds it)")
     parser.add_argument("out_dir", help="where to write the save_pretrained layout (replaced atomically)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest output file, as save_pretrained's (default 5GB)")
     parser.add_argument("--dtype", default=None, help="cast floating tensors: bf16, fp16, fp32 (default: as trained)")
@@ -23,7 +26,8 @@ def run_consolidate(args: argparse.Namespace) -> int:
 
     size = int(args.max_shard_size) if str(args.max_shard_size).isdigit() else args.max_shard_size
     try:
-        out = export_pretrained(args.checkpoint, args.out_dir, model_config=args.config, tokenizer=args.tokenizer,
+        src = args.checkpoints[0] if len(args.checkpoints) == 1 else args.checkpoints
+        out = export_pretrained(src, args.out_dir, model_config=args.config, tokenizer=args.tokenizer,
                                 max_shard_size=size, dtype=args.dtype, verify=not args.no_verify)
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         print(f"hf-zero consolidate: error: {exc}", file=sys.stderr)

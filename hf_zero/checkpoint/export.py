@@ -7,9 +7,10 @@ each tensor in its original dtype (or `dtype`), split into `model.safetensors` o
 `generation_config.json` and tokenizer files.
 
 - `src` a `ZeroEngine`: collective; every rank takes part in the gathers (one flat group at a time), rank 0 writes.
-- `src` a sharded checkpoint folder: offline, no process group and no model code: the manifest says where every
-  element of every tensor lies, and each tensor is read from the rank files that hold it (plain reads of just its
-  byte ranges).
+- `src` a sharded checkpoint folder, or several (one per host, for a save to disks the hosts do not share): offline,
+  no process group and no model code: the manifest says where every element of every tensor lies, and each tensor
+  is read from the partition files that hold it (plain reads of just its byte ranges), each file from whichever
+  folder has it.
 
 Either way one output file is assembled, written and dropped before the next: peak host memory is about one output
 shard plus one flat group (online) or one tensor (offline), never the model. The output goes to a temporary folder
@@ -24,14 +25,15 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import safetensors.torch as _st
 import torch
 import torch.distributed as dist
 
 from .layout import config_texts, dtype_name, model_config_texts, model_layout
-from .sharded import CheckpointError, CheckpointSource, plan_manifest, read_manifest, swap_into_place
+from .sharded import (CheckpointError, CheckpointSource, partition_comm, plan_manifest, read_manifests,
+                      swap_into_place)
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
@@ -157,12 +159,16 @@ class _FileReader:
 
 
 class _EngineReader:
-    """Online: all-gather one flat group at a time (the master values for trainable groups, as the sharded
-    checkpoint stores them); rank 0 slices its tensors out, the other ranks only take part."""
+    """Online: all-gather one flat group at a time over the partition group (the master values for trainable
+    groups, as the sharded checkpoint stores them); rank 0 (partition 0 of the first replica) slices its tensors
+    out, the other ranks of its replica only take part. Other replicas hold the same shards and skip the
+    gathers."""
 
     def __init__(self, engine: "ZeroEngine") -> None:
         self.engine = engine
         self.rank0 = engine.comm.rank == 0
+        self.pcomm = partition_comm(engine)
+        self.gathers = self.pcomm.global_rank(0) == engine.comm.global_rank(0)  # rank 0's replica
         self._index: Optional[int] = None
         self._full: Optional[torch.Tensor] = None
         self.collective = True
@@ -172,6 +178,8 @@ class _EngineReader:
     def __call__(self, e: _Entry) -> Optional[torch.Tensor]:
         if e.buffer is not None:
             return self.buffers[e.buffer["name"]].detach().to("cpu", copy=True) if self.rank0 else None
+        if not self.gathers:
+            return None
         gi = e.group["index"]
         if gi != self._index:
             self._full = None  # drop the previous group before gathering the next
@@ -182,7 +190,7 @@ class _EngineReader:
             else:
                 local = src.to(self.engine.device)
                 self._full = torch.empty(g.plan.padded_numel, dtype=local.dtype, device=self.engine.device)
-                self.engine.comm.all_gather(self._full, local, f"export group {gi}", async_op=False)
+                self.pcomm.all_gather(self._full, local, f"export group {gi}", async_op=False)
             self._index = gi
         if not self.rank0:
             return None
@@ -322,7 +330,8 @@ def _write(entries: List[_Entry], reader, tmp: Optional[Path], dtype: Optional[t
     return error
 
 
-def export_pretrained(src: Union["ZeroEngine", str, os.PathLike], out_dir: Union[str, os.PathLike],
+def export_pretrained(src: Union["ZeroEngine", str, os.PathLike, Sequence[Union[str, os.PathLike]]],
+                      out_dir: Union[str, os.PathLike],
                       model_config: Any = None, tokenizer: Any = None, max_shard_size: Union[int, str] = "5GB",
                       dtype: Union[None, str, torch.dtype] = None, progress: bool = True,
                       verify: bool = True) -> Path:
@@ -330,7 +339,9 @@ def export_pretrained(src: Union["ZeroEngine", str, os.PathLike], out_dir: Union
 
     Args:
         src: a `ZeroEngine` (collective: call on every rank; rank 0 writes) or a sharded checkpoint folder
-            written by `save_checkpoint(engine, dir)` (offline: no process group, no model code).
+            written by `save_checkpoint(engine, dir)` (offline: no process group, no model code), or a list of
+            such folders: one per host when the hosts saved to disks of their own (each file is read from the
+            first folder that has it; a file in none of them is an error naming it).
         out_dir: the output folder; replaced atomically (files there that an export does not write are kept,
             earlier weight files are not).
         model_config: a `PretrainedConfig`, a folder with `config.json` (and maybe `generation_config.json`) or a
@@ -349,25 +360,35 @@ def export_pretrained(src: Union["ZeroEngine", str, os.PathLike], out_dir: Union
 
     if isinstance(src, ZeroEngine):
         return _export_engine(src, out_dir, model_config, tokenizer, max_shard_size, dtype, progress)
-    if not isinstance(src, (str, os.PathLike)):
-        raise TypeError(f"src must be a ZeroEngine or a checkpoint folder, got {type(src).__name__}")
-    return _export_dir(Path(src), out_dir, model_config, tokenizer, max_shard_size, dtype, progress, verify)
+    if isinstance(src, (str, os.PathLike)):
+        folders = [Path(src)]
+    elif isinstance(src, (list, tuple)) and src and all(isinstance(d, (str, os.PathLike)) for d in src):
+        folders = [Path(d) for d in src]
+    else:
+        raise TypeError(f"src must be a ZeroEngine, a checkpoint folder or a list of checkpoint folders, got "
+                        f"{type(src).__name__}")
+    return _export_dir(folders, out_dir, model_config, tokenizer, max_shard_size, dtype, progress, verify)
 
 
-def _export_dir(ckpt: Path, out_dir: Path, model_config, tokenizer, max_shard_size, dtype, progress,
+def _export_dir(folders: List[Path], out_dir: Path, model_config, tokenizer, max_shard_size, dtype, progress,
                 verify) -> Path:
-    manifest = read_manifest(ckpt)
+    manifest = read_manifests(folders)
+    ckpt = folders[0]
     model = manifest.get("model")
     if model is None:
         raise CheckpointError(f"{ckpt} was saved by an hf_zero without the model's state-dict layout (checkpoint "
                               f"format v{manifest.get('format_version')}): load it into the engine and save it again "
                               f"(or export from the engine)")
-    src = CheckpointSource(ckpt, manifest, verify=verify)
+    src = CheckpointSource(folders, manifest, verify=verify)
     entries = _entries(manifest["groups"], model)
-    for r in range(src.world):  # fail before writing anything: every rank file present, sized, intact
-        src.check_file(f"rank{r:05d}-of-{src.world:05d}.safetensors")
+    for fname in src.file_names():  # fail before writing anything: every file present, sized, intact
+        src.check_file(fname)
     src.verify = False  # just checked
-    base = {n: (ckpt / n).read_bytes() for n in ("config.json", "generation_config.json") if (ckpt / n).is_file()}
+    base = {}
+    for n in ("config.json", "generation_config.json"):
+        path = src.locate(n)
+        if path is not None:
+            base[n] = path.read_bytes()
     out_dtype = dtype_name(dtype) if dtype is not None else model["dtype"]
     configs = _config_files(model_config, model, base, out_dtype)
     if "config.json" not in configs:

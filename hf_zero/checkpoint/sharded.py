@@ -1,4 +1,4 @@
-"""Sharded training checkpoints: one safetensors file per rank plus a JSON manifest. No pickle anywhere.
+"""Sharded training checkpoints: one safetensors file per partition plus a JSON manifest. No pickle anywhere.
 
 Every saved tensor is a range of a group's flat index space (master weights, frozen weights, each optimizer
 state), and the manifest records where every parameter sits in that space. Loading at another world size, stage
@@ -6,12 +6,18 @@ or bucket size is interval arithmetic: for each range a rank now owns, find the 
 saved, and read just those byte ranges from just the files that hold them (plain reads into fresh tensors; a
 safe_open slice would keep the file's pages resident).
 
-Rank 0's file also holds the model's persistent buffers, and the manifest records the model's state-dict layout
-(every `model.state_dict()` key in order, tied-weight declarations, config), so `export.export_pretrained` can write
-the Hugging Face layout from the files alone, with no process group and no model code.
+Files are named by partition (`rank{p}-of-{P}`: P is the number of ways the flat groups are split, the world size
+at stages 1-3, K under HSDP's shard_group_size=K, 1 at stage 0). `buffers.safetensors` holds the model's persistent
+buffers, and the manifest records the model's state-dict layout (every `model.state_dict()` key in order,
+tied-weight declarations, config), so `export.export_pretrained` can write the Hugging Face layout from the files
+alone, with no process group and no model code.
 
-A save goes to a temporary folder that is renamed into place once every file and the manifest are written; ranks
-agree on success before the rename, so a failure on any rank (or a crash) leaves the previous checkpoint whole.
+A save works whether or not the hosts share the disk under `directory` (see hosts.py): the ranks find out which of
+them see each other's files, and each disk gets a complete folder for the ranks on it: the partition files they
+hold (one writer per disk and partition), the manifest (the same everywhere, listing every file), the config
+files and the buffers. Everything goes to a temporary folder; the ranks agree that every file on every disk was
+written before any folder is renamed into place, and agree again after the renames (undoing them if one disk
+failed), so a failure on any rank raises on every rank and leaves the previous checkpoint whole on every disk.
 """
 from __future__ import annotations
 
@@ -21,23 +27,30 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import safetensors.torch as _st  # called as _st.save_file so a test can patch safetensors.torch.save_file
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from . import hosts
 from .layout import dtype_name, persistent_buffers, model_config_texts, model_layout
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
+    from ..engine.comm import Comm
 
-FORMAT_VERSION = 2  # 2: persistent buffers in rank 0's file, the model's state-dict layout, file sizes
+# 3: files named by partition, one writer per (disk, partition), buffers.safetensors, save_id, writers, disks
+# 2: persistent buffers in rank 0's file, the model's state-dict layout, file sizes
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
-BUFFER_PREFIX = "buffer."
+BUFFERS_FILE = "buffers.safetensors"
+BUFFER_PREFIX = "buffer."  # format 2: the buffers' keys in rank 0's file
+DISK_CHECKS = 3  # how often the ranks compare which markers they see before giving up (file system delays)
 logger = logging.getLogger("hf_zero")
 
 
@@ -45,8 +58,8 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, damaged, or does not belong to this model; the message says which."""
 
 
-def _rank_file(rank: int, world: int) -> str:
-    return f"rank{rank:05d}-of-{world:05d}.safetensors"
+def _rank_file(partition: int, partitions: int) -> str:
+    return f"rank{partition:05d}-of-{partitions:05d}.safetensors"
 
 
 def _sha256(path: Path) -> str:
@@ -65,25 +78,62 @@ def _json_value(v: Any) -> Any:
     return v
 
 
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def partition_comm(engine: "ZeroEngine") -> "Comm":
+    """The group the engine's shards are partitioned over (its rank is the partition index); the engine's own
+    group until the engine has a separate one (HSDP)."""
+    return getattr(engine, "partition_comm", engine.comm)
+
+
+def partition_of(engine: "ZeroEngine") -> Tuple[int, int]:
+    """(this rank's partition index, the number of partitions): what the rank's file is named by."""
+    count = engine.plan.partition_size
+    if count == 1:  # stage 0 (or one rank): nothing is split, every replica holds partition 0
+        return 0, 1
+    comm = partition_comm(engine)
+    if comm.world_size != count:
+        raise CheckpointError(f"the engine splits its groups {count} ways but its partition group has "
+                              f"{comm.world_size} ranks: engine.partition_comm must be the group the shards are "
+                              f"partitioned over")
+    return comm.rank, count
+
+
+def _where(comm: "Comm") -> Tuple[str, int]:
+    """(host name, global rank) of this rank."""
+    return hosts.host_name(), comm.global_rank(comm.rank)
+
+
+def _whoami(comm: "Comm") -> str:
+    return "host {}, rank {}".format(*_where(comm))
+
+
+def _exchange(comm: "Comm", obj: Any) -> List[Any]:
+    """Collective over the engine's group: every rank's `obj` in rank order."""
+    if not (comm.distributed and comm.world_size > 1):
+        return [obj]
+    return hosts.all_gather_objects(obj, comm.group)
+
+
 # ---------------------------------------------------------------------------------------------- save
-def _rank_tensors(engine: "ZeroEngine", buffers: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """This rank's ranges: per group the master (trainable) or compute (frozen) shard and each optimizer state;
-    on rank 0 also the persistent buffers."""
-    rank = engine.comm.rank
+def _partition_tensors(engine: "ZeroEngine") -> Dict[str, torch.Tensor]:
+    """This rank's partition: per group the master (trainable) or compute (frozen) range and each optimizer
+    state over it; per-parameter scalars (Adam's step) as one slot per group slot (NaN where the partition holds
+    none of the parameter)."""
     out: Dict[str, torch.Tensor] = {}
     seg_by_group: Dict[int, list] = {}
     for seg in engine.optimizer.segments:
         seg_by_group.setdefault(seg.group.plan.index, []).append(seg)
     for g in engine.groups:
         gi = g.plan.index
-        if g.plan.shard_numel == g.plan.padded_numel and rank != 0:
-            continue  # not partitioned (stage 0): rank 0 writes it once
         out[f"g{gi}.values"] = (g.master if g.plan.trainable else g.shard).detach().to("cpu").contiguous()
         for seg in seg_by_group.get(gi, []):
             for key, value in engine.optimizer.state.get(seg.tensor, {}).items():
                 if not torch.is_tensor(value):
                     continue
-                if value.dim() == 0:  # per-parameter scalar (Adam's step): one slot per group slot
+                if value.dim() == 0:
                     name = f"g{gi}.scalar.{key}"
                     if name not in out:
                         out[name] = torch.full((len(g.plan.slots),), float("nan"), dtype=torch.float64)
@@ -93,10 +143,13 @@ def _rank_tensors(engine: "ZeroEngine", buffers: Dict[str, torch.Tensor]) -> Dic
                     if name not in out:
                         out[name] = torch.zeros(g.plan.shard_numel, dtype=value.dtype)
                     out[name][seg.start:seg.end] = value.detach().to("cpu").reshape(-1)
-    if rank == 0:
-        for name, b in buffers.items():
-            out[BUFFER_PREFIX + name] = b.detach().to("cpu").contiguous()
     return out
+
+
+def _buffer_bytes(buffers: Dict[str, torch.Tensor]) -> bytes:
+    """buffers.safetensors' content (copies: two buffers may share storage, which safetensors refuses)."""
+    tensors = {name: b.detach().to("cpu", copy=True).contiguous() for name, b in buffers.items()}
+    return _st.save(tensors, metadata={"format": "hf_zero-sharded"})
 
 
 def plan_manifest(engine: "ZeroEngine") -> List[Dict[str, Any]]:
@@ -116,8 +169,8 @@ def plan_manifest(engine: "ZeroEngine") -> List[Dict[str, Any]]:
     ]
 
 
-def _manifest(engine: "ZeroEngine", files: Dict[str, str], sizes: Dict[str, int], step: Optional[int],
-              layout: Dict[str, Any]) -> Dict[str, Any]:
+def _manifest(engine: "ZeroEngine", step: Optional[int], layout: Dict[str, Any], partitions: int,
+              save_id: str) -> Dict[str, Any]:
     opt = engine.optimizer
     name_of = {id(seg.tensor): seg.slot.name for seg in opt.segments}
     groups_hp = []
@@ -127,7 +180,9 @@ def _manifest(engine: "ZeroEngine", files: Dict[str, str], sizes: Dict[str, int]
     return {
         "format": "hf_zero-sharded",
         "format_version": FORMAT_VERSION,
+        "save_id": save_id,
         "world_size": engine.comm.world_size,
+        "partitions": partitions,
         "stage": engine.config.stage,
         "config": engine.config.to_dict(),
         "step": step,
@@ -140,66 +195,38 @@ def _manifest(engine: "ZeroEngine", files: Dict[str, str], sizes: Dict[str, int]
             "param_group_of": {name_of[id(p)]: gi for gi, grp in enumerate(opt.param_groups) for p in grp["params"]},
         },
         "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-        "files": files,
-        "file_bytes": sizes,
+        "buffers_file": BUFFERS_FILE,
     }
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def save_checkpoint(engine: "ZeroEngine", directory: os.PathLike, step: Optional[int] = None) -> Path:
-    """Collective. Write this rank's shards and (rank 0) the manifest, the persistent buffers and the model's
-    config into `directory`, atomically: the ranks agree that every file was written before rank 0 renames the
-    temporary folder into place, so a failure on any rank raises CheckpointError on every rank and leaves the
-    previous checkpoint in `directory` untouched."""
-    directory = Path(directory)
-    comm = engine.comm
-    multi = comm.distributed and comm.world_size > 1
-    engine.wait()  # no reduction of the engine's may still be in flight beside the checkpoint's own collectives
-    tmp_name = [f"{directory.name}.tmp-{uuid.uuid4().hex[:8]}"]
-    if multi:
-        dist.broadcast_object_list(tmp_name, src=comm.global_rank(0), group=comm.group)
-    tmp = directory.parent / tmp_name[0]
-    layout, buffers = model_layout(engine)
-    fname = _rank_file(comm.rank, comm.world_size)
-    mine: Tuple[Dict[str, str], Dict[str, int], List[str], Optional[str]] = ({}, {}, [], None)
-    try:
-        tmp.mkdir(parents=True, exist_ok=True)
-        tensors = _rank_tensors(engine, buffers)
-        _st.save_file(tensors, str(tmp / fname), metadata={"format": "hf_zero-sharded"})
-        mine = ({fname: _sha256(tmp / fname)}, {fname: (tmp / fname).stat().st_size}, list(tensors), None)
-        del tensors
-    except Exception as exc:  # every rank must hear about it, or the others would rename a partial checkpoint
-        mine = ({}, {}, [], _describe(exc))
-    results = [mine]
-    if multi:
-        results = [None] * comm.world_size  # type: ignore[list-item]
-        dist.all_gather_object(results, mine, group=comm.group)
-    failures = [f"rank {r}: {err}" for r, (_, _, _, err) in enumerate(results) if err]
-    if comm.rank == 0:
-        if not failures:
-            try:
-                files = {k: v for d, _, _, _ in results for k, v in d.items()}
-                sizes = {k: v for _, d, _, _ in results for k, v in d.items()}
-                manifest = _manifest(engine, files, sizes, step, layout)
-                _record_state_keys(manifest, [k for _, _, keys, _ in results for k in keys])
-                for name, text in model_config_texts(engine.model, layout["dtype"]).items():
-                    (tmp / name).write_bytes(text)
-                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-                swap_into_place(tmp, directory)
-            except Exception as exc:
-                failures.append(f"rank 0: {_describe(exc)}")
-        if failures:
-            shutil.rmtree(tmp, ignore_errors=True)
-    status = [failures]
-    if multi:
-        dist.broadcast_object_list(status, src=comm.global_rank(0), group=comm.group)
-    if status[0]:
-        raise CheckpointError(f"saving the checkpoint to {directory} failed ({'; '.join(status[0])}); nothing was "
-                              f"renamed into place, so {directory} holds the previous checkpoint (if any) unchanged")
-    return directory
+def _record_files(manifest: Dict[str, Any], ranks: List[Tuple[str, int, int]], shards: List[Any],
+                  disks: List[List[int]], buffers: bytes) -> None:
+    """Every file of every disk: its SHA-256 and size, who wrote it, and the disks. Copies of one partition on
+    several disks (replicas on node-local disks) are written by different ranks and should be equal; the
+    manifest keeps each distinct checksum so that every copy verifies."""
+    files: Dict[str, str] = {}
+    sizes: Dict[str, int] = {}
+    copies: Dict[str, List[str]] = {}
+    writers: Dict[str, List[List[Any]]] = {}
+    for rank, shard in enumerate(shards):
+        if shard is None:
+            continue
+        fname, sha, size, _ = shard
+        files.setdefault(fname, sha)
+        sizes.setdefault(fname, size)
+        if sha != files[fname] and sha not in copies.setdefault(fname, []):
+            copies[fname].append(sha)
+        writers.setdefault(fname, []).append([ranks[rank][0], ranks[rank][1]])
+    files[BUFFERS_FILE] = hashlib.sha256(buffers).hexdigest()
+    sizes[BUFFERS_FILE] = len(buffers)
+    writers[BUFFERS_FILE] = [[ranks[d[0]][0], ranks[d[0]][1]] for d in disks]
+    manifest["files"] = dict(sorted(files.items()))
+    manifest["file_bytes"] = dict(sorted(sizes.items()))
+    manifest["file_copies_sha256"] = {k: v for k, v in sorted(copies.items()) if v}
+    manifest["writers"] = dict(sorted(writers.items()))
+    manifest["disks"] = [{"ranks": [ranks[r][1] for r in d], "hosts": sorted({ranks[r][0] for r in d})}
+                         for d in disks]
+    _record_state_keys(manifest, [k for s in shards if s is not None for k in s[3]])
 
 
 def _record_state_keys(manifest: Dict[str, Any], names: List[str]) -> None:
@@ -217,8 +244,9 @@ def _record_state_keys(manifest: Dict[str, Any], names: List[str]) -> None:
         g["scalar_keys"].sort()
 
 
-def swap_into_place(tmp: Path, directory: Path) -> None:
-    """Rename `tmp` to `directory`, replacing an existing `directory` (restored if the second rename fails)."""
+def _swap(tmp: Path, directory: Path) -> Optional[Path]:
+    """Rename `tmp` to `directory`; an existing `directory` is moved aside first (and back if the second rename
+    fails). Returns where the previous folder now is, if there was one."""
     old = None
     if directory.exists():
         old = directory.parent / f"{directory.name}.old-{uuid.uuid4().hex[:8]}"
@@ -229,8 +257,179 @@ def swap_into_place(tmp: Path, directory: Path) -> None:
         if old is not None:
             os.replace(old, directory)
         raise
+    return old
+
+
+def _unswap(tmp: Path, directory: Path, old: Optional[Path]) -> None:
+    """Undo `_swap`: the new folder goes back to `tmp` (and is removed), the previous one back into place."""
+    os.replace(directory, tmp)
+    if old is not None:
+        os.replace(old, directory)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def swap_into_place(tmp: Path, directory: Path) -> None:
+    """Rename `tmp` to `directory`, replacing an existing `directory` (restored if the second rename fails)."""
+    old = _swap(tmp, directory)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+class _Save:
+    """One rank's part of a save_checkpoint call. Each step runs locally and ends in an exchange of every rank's
+    result (so a failure anywhere stops the save everywhere, before any rename):
+
+    1. make the temporary folder and drop this rank's marker in it;
+    2. look up every rank's marker: the ranks on this rank's disk; every rank learns every disk;
+    3. the lowest rank per (disk, partition) writes the partition file;
+    4. rank 0 builds the manifest (from every file's checksum), config files and buffers once, for every disk;
+    5. each disk's lowest rank (its leader) writes them;
+    6. the leaders rename their temporary folder into place, and undo it if another disk's rename failed.
+    """
+
+    def __init__(self, engine: "ZeroEngine", directory: Path, step: Optional[int]) -> None:
+        self.engine, self.dir, self.step = engine, directory, step
+        self.comm = comm = engine.comm
+        self.me = _whoami(comm)
+        self.partition, self.partitions = partition_of(engine)
+        token = [uuid.uuid4().hex[:12]]
+        if comm.distributed and comm.world_size > 1:
+            dist.broadcast_object_list(token, src=comm.global_rank(0), group=comm.group)
+        self.save_id = token[0]
+        # the same name on every disk; each rank makes it beside its own `directory` (paths may differ per host)
+        self.tmp = directory.parent / f"{directory.name}.tmp-{self.save_id}"
+        self.leader = False
+        self.payload: Optional[Tuple[str, Dict[str, bytes], bytes]] = None
+
+    def run(self) -> Path:
+        ranks = self._round("creating the temporary folder", self._mark)
+        disks = self._find_disks()
+        mine = next(d for d in disks if self.comm.rank in d)
+        self.leader = mine[0] == self.comm.rank
+        writes = self.comm.rank in hosts.partition_writers(disks, [p for _, _, p in ranks])
+        shards = self._round("writing the partition files", lambda: self._write_partition(writes))
+        self._round("building the manifest", lambda: self._build(ranks, shards, disks))
+        payload = self._share(self.payload) if len(disks) > 1 else self.payload
+        self._round("writing the manifest, config and buffers", lambda: self._write_meta(payload))
+        self._rename()
+        return self.dir
+
+    # ---------------------------------------------------------------- steps
+    def _round(self, what: str, fn: Callable[[], Any]) -> List[Any]:
+        """Run `fn` here and exchange every rank's result; a failure on any rank aborts the save on all."""
+        try:
+            mine: Tuple[Optional[str], Any] = (None, fn())
+        except Exception as exc:
+            mine = (f"{self.me}: {_describe(exc)}", None)
+        results = _exchange(self.comm, mine)
+        errors = [e for e, _ in results if e]
+        if errors:
+            self._abort(what, errors)
+        return [v for _, v in results]
+
+    def _abort(self, what: str, errors: List[str]) -> None:
+        # every rank passed the exchange, so nobody writes into the folder any more
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        shown = "; ".join(errors[:4]) + (f"; and {len(errors) - 4} more" if len(errors) > 4 else "")
+        raise CheckpointError(f"saving the checkpoint to {self.dir} failed while {what} ({shown}); nothing was "
+                              f"renamed into place, so {self.dir} holds the previous checkpoint (if any) unchanged "
+                              f"on every host")
+
+    def _mark(self) -> Tuple[str, int, int]:
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        hosts.mark(self.tmp, self.comm.rank)
+        return hosts.host_name(), self.comm.global_rank(self.comm.rank), self.partition
+
+    def _find_disks(self) -> List[List[int]]:
+        for attempt in range(DISK_CHECKS):
+            views = self._round("finding which ranks share a disk",
+                                lambda: hosts.ranks_seen(self.tmp, self.comm.world_size))
+            disks = hosts.disk_groups(views)
+            if disks is not None:
+                return disks
+            time.sleep(1.0 + attempt)  # the same on every rank: they all saw the same views
+        self._abort("finding which ranks share a disk", [
+            f"the ranks see different sets of each other's files in {self.tmp.name} (rank: the ranks it sees "
+            f"{dict(list(enumerate(views))[:8])}): the file system shows one host's new files to another late or not at all; "
+            f"save to a folder every rank sees alike (a shared file system with close-to-open consistency, or a "
+            f"disk of each host's own)"])
+        raise AssertionError("unreachable")
+
+    def _write_partition(self, writes: bool) -> Optional[Tuple[str, str, int, List[str]]]:
+        if self.leader:  # every rank has looked the markers up (the previous exchange)
+            shutil.rmtree(self.tmp / hosts.MARKERS)
+        if not writes:
+            return None
+        fname = _rank_file(self.partition, self.partitions)
+        path = self.tmp / fname
+        tensors = _partition_tensors(self.engine)
+        _st.save_file(tensors, str(path), metadata={"format": "hf_zero-sharded"})
+        keys = list(tensors)
+        del tensors
+        return fname, _sha256(path), path.stat().st_size, keys
+
+    def _build(self, ranks, shards, disks) -> None:
+        """Rank 0: the manifest, config files and buffers every disk gets (built once, so they are identical)."""
+        if self.comm.rank != 0:
+            return
+        layout, buffers = model_layout(self.engine)
+        buf = _buffer_bytes(buffers)
+        manifest = _manifest(self.engine, self.step, layout, self.partitions, self.save_id)
+        _record_files(manifest, ranks, shards, disks, buf)
+        self.payload = (json.dumps(manifest, indent=1), model_config_texts(self.engine.model, layout["dtype"]), buf)
+
+    def _share(self, payload: Any) -> Any:
+        """Rank 0's payload on every rank (a broadcast: an all-gather would pad every rank's part to its size)."""
+        box = [payload]
+        dist.broadcast_object_list(box, src=self.comm.global_rank(0), group=self.comm.group)
+        return box[0]
+
+    def _write_meta(self, payload: Optional[Tuple[str, Dict[str, bytes], bytes]]) -> None:
+        if not self.leader:
+            return
+        text, configs, buf = payload
+        (self.tmp / BUFFERS_FILE).write_bytes(buf)
+        for name, data in configs.items():
+            (self.tmp / name).write_bytes(data)
+        (self.tmp / MANIFEST).write_text(text)  # last: a folder with a manifest has every file
+
+    def _rename(self) -> None:
+        old, swapped, error = None, False, None
+        if self.leader:
+            try:
+                old, swapped = _swap(self.tmp, self.dir), True
+            except Exception as exc:
+                error = f"{self.me}: renaming {self.tmp} to {self.dir}: {_describe(exc)}"
+        errors = [e for e in _exchange(self.comm, error) if e]
+        if not errors:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            return
+        if swapped:  # another disk failed: put this one's previous checkpoint back too
+            try:
+                _unswap(self.tmp, self.dir, old)
+            except Exception as exc:
+                errors.append(f"{self.me}: restoring the previous checkpoint failed ({_describe(exc)}); it is in "
+                              f"{old}")
+        elif self.leader:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        raise CheckpointError(f"saving the checkpoint to {self.dir} failed while renaming it into place "
+                              f"({'; '.join(errors[:4])}); the renames were undone, so {self.dir} holds the previous "
+                              f"checkpoint (if any) on every host")
+
+
+def save_checkpoint(engine: "ZeroEngine", directory: os.PathLike, step: Optional[int] = None) -> Path:
+    """Collective. Write the engine's training state to `directory`: a file per partition, `manifest.json`,
+    `buffers.safetensors` and the model's config files.
+
+    `directory` may be on a disk every rank shares or on each host's own disk (the same path on every host, or
+    even a different path per rank): the ranks find out which of them share a disk, and every disk gets the
+    partition files of the ranks on it (each written once per disk), the manifest, the config files and the
+    buffers. Atomic: the ranks agree that every file was written before any temporary folder is renamed into
+    place, so a failure on any rank raises CheckpointError on every rank and leaves the previous checkpoint in
+    `directory` untouched on every disk."""
+    engine.wait()  # no reduction of the engine's may still be in flight beside the checkpoint's own collectives
+    return _Save(engine, Path(directory), step).run()
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -293,12 +492,22 @@ class _RankFile:
 
 
 class CheckpointSource:
-    """The saved layout: where each parameter's elements live, and reading flat ranges from rank files (each
-    rank file is checked once: present, the size and SHA-256 the manifest records, safetensors, not a pickle)."""
+    """The saved layout: where each parameter's elements live, and reading flat ranges from the partition files
+    (each file is checked once: present, the size and SHA-256 the manifest records, safetensors, not a pickle).
 
-    def __init__(self, directory: Path, manifest: Dict[str, Any], verify: bool = True) -> None:
-        self.dir, self.m, self.verify = directory, manifest, verify
+    `directories`: the checkpoint folder, or several (one per host of a save to node-local disks): each file is
+    read from the first folder that holds it. `reader` (host name, global rank) marks a resume: a missing file's
+    message then names that rank and says what to do about it."""
+
+    def __init__(self, directories: Union[Path, Sequence[Path]], manifest: Dict[str, Any], verify: bool = True,
+                 reader: Optional[Tuple[str, int]] = None) -> None:
+        self.dirs = [Path(directories)] if isinstance(directories, (str, os.PathLike)) else \
+            [Path(d) for d in directories]
+        self.dir = self.dirs[0]
+        self.m, self.verify, self.reader = manifest, verify, reader
+        self.version = manifest.get("format_version", 1)
         self.world = manifest["world_size"]
+        self.partitions = manifest.get("partitions", self.world)  # before format 3: one file per rank
         self.groups = manifest["groups"]
         self.where: Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]] = {}
         for g in self.groups:
@@ -306,36 +515,70 @@ class CheckpointSource:
                 self.where[s["name"]] = (g, s)
         self._handles: Dict[str, Any] = {}
 
-    def _open(self, fname: str) -> "_RankFile":
+    def file_names(self) -> List[str]:
+        """Every file a full read needs: the partition files (and, from format 3, the buffers file)."""
+        names = [_rank_file(p, self.partitions) for p in range(self.partitions)]
+        return names + ([self.buffers_file()] if self.version >= 3 else [])
+
+    def buffers_file(self) -> str:
+        return self.m.get("buffers_file", BUFFERS_FILE) if self.version >= 3 else _rank_file(0, self.partitions)
+
+    def locate(self, fname: str) -> Optional[Path]:
+        """The first folder's copy of `fname`, None if no folder has it."""
+        return next((d / fname for d in self.dirs if (d / fname).is_file()), None)
+
+    def open_file(self, fname: str) -> "_RankFile":
+        """The checked file, opened once."""
         if fname not in self._handles:
             self._handles[fname] = _RankFile(self.check_file(fname))
         return self._handles[fname]
 
     def close(self) -> None:
-        """Drop the open rank files (their memory maps)."""
+        """Drop the open files."""
         self._handles.clear()
 
+    def _missing(self, fname: str) -> CheckpointError:
+        where = " or ".join(str(d) for d in self.dirs)
+        saved = f"the checkpoint was saved by {self.world} ranks" + (
+            f" in {self.partitions} partitions" if self.partitions != self.world else "")
+        writers = (self.m.get("writers") or {}).get(fname)
+        wrote = "; it was written by " + ", ".join(f"rank {r} on host {h}" for h, r in writers[:4]) if writers else ""
+        if self.reader is not None:
+            host, rank = self.reader
+            return CheckpointError(
+                f"host {host}, rank {rank} cannot resume: {fname} is missing from {where} ({saved}{wrote}). On "
+                f"disks the hosts do not share, each host keeps only the files of its own ranks: resume with the "
+                f"same processes on the same hosts, or copy {fname} from the host that wrote it into {self.dir} "
+                f"on host {host}; to export the weights instead, gather the hosts' folders with `hf-zero "
+                f"consolidate HOST_A_DIR HOST_B_DIR ... OUT_DIR`")
+        return CheckpointError(
+            f"{where}: rank file {fname} is missing ({saved}; every rank file is needed{wrote}). If the hosts saved "
+            f"to disks of their own, pass every host's folder: `hf-zero consolidate HOST_A_DIR HOST_B_DIR ... "
+            f"OUT_DIR` (export_pretrained([dir_a, dir_b], out_dir))")
+
     def check_file(self, fname: str) -> Path:
-        """The rank file's path once it exists, is the file the manifest describes, and is safetensors."""
-        path = self.dir / fname
-        if not path.is_file():
-            raise CheckpointError(f"{self.dir}: rank file {fname} is missing (the checkpoint was saved by "
-                                  f"{self.world} ranks; every rank file is needed)")
+        """The file's path once it exists, is the file the manifest describes, and is safetensors."""
+        path = self.locate(fname)
+        if path is None:
+            raise self._missing(fname)
         with open(path, "rb") as f:
             head = f.read(8)
         if head.startswith(_PICKLE_MAGIC):
             raise CheckpointError(f"{path} is a pickle (torch.save) file, not safetensors: hf_zero checkpoints never "
                                   f"contain pickles and never load one (it could run code)")
         files = self.m.get("files") or {}
-        if self.m.get("format_version", 1) >= 2 and fname not in files:
+        if self.version >= 2 and fname not in files:
             raise CheckpointError(f"{path}: the manifest does not list this rank file; the folder mixes checkpoints")
         size, expected_size = path.stat().st_size, (self.m.get("file_bytes") or {}).get(fname)
         if expected_size is not None and size != expected_size:
             raise CheckpointError(f"{path} is {size} bytes but the manifest says {expected_size}: the file is "
                                   f"{'truncated' if size < expected_size else 'longer than saved'} (an interrupted "
                                   f"copy or a full disk?)")
-        if self.verify and fname in files and _sha256(path) != files[fname]:
-            raise CheckpointError(f"{path}: checksum mismatch: the file is damaged or was modified after the save")
+        if self.verify and fname in files:
+            allowed = [files[fname], *(self.m.get("file_copies_sha256") or {}).get(fname, [])]
+            if _sha256(path) not in allowed:
+                raise CheckpointError(f"{path}: checksum mismatch: the file is damaged or was modified after the "
+                                      f"save")
         if size < 8 or int.from_bytes(head, "little") + 8 > size:
             raise CheckpointError(f"{path} is not a safetensors file (bad header)")
         try:
@@ -344,48 +587,65 @@ class CheckpointSource:
             raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
         return path
 
-    def read(self, name: str, kind: str, lo: int, hi: int) -> Optional[torch.Tensor]:
-        """Elements [lo, hi) of parameter `name` (kind "values" or "state.<key>"); None if that state is absent."""
+    def _pieces(self, name: str, lo: int, hi: int) -> List[Tuple[str, int, int]]:
+        """(file, start, end) in that file's flat range, for elements [lo, hi) of parameter `name`."""
         g, s = self.where[name]
         start, end = s["offset"] + lo, s["offset"] + hi
         shard = g["shard_numel"]
         partitioned = shard != g["padded_numel"]
-        parts = []
+        out = []
         while start < end:
-            r = start // shard if partitioned else 0
-            r_lo = r * shard if partitioned else 0
-            stop = min(end, r_lo + shard)
-            f = self._open(_rank_file(r, self.world))
-            key = f"g{g['index']}.{kind}"
+            p = start // shard if partitioned else 0
+            p_lo = p * shard if partitioned else 0
+            stop = min(end, p_lo + shard) if partitioned else end
+            out.append((_rank_file(p, self.partitions), start - p_lo, stop - p_lo))
+            start = stop
+        return out
+
+    def files_for(self, name: str, lo: int, hi: int) -> List[str]:
+        """The files that hold elements [lo, hi) of parameter `name`."""
+        return [f for f, _, _ in self._pieces(name, lo, hi)]
+
+    def read(self, name: str, kind: str, lo: int, hi: int) -> Optional[torch.Tensor]:
+        """Elements [lo, hi) of parameter `name` (kind "values" or "state.<key>"); None if that state is absent."""
+        g, _ = self.where[name]
+        key = f"g{g['index']}.{kind}"
+        parts = []
+        for fname, a, b in self._pieces(name, lo, hi):
+            f = self.open_file(fname)
             if key not in f.keys():
                 if kind == "values":
-                    raise CheckpointError(f"{self.dir / _rank_file(r, self.world)} lacks {key}: damaged checkpoint")
+                    raise CheckpointError(f"{f.path} lacks {key}: damaged checkpoint")
                 return None
-            parts.append(f.read(key, start - r_lo, stop - r_lo))
-            start = stop
+            parts.append(f.read(key, a, b))
         if not parts:
             return torch.empty(0)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def buffer(self, name: str) -> torch.Tensor:
-        f = self._open(_rank_file(0, self.world))
-        key = BUFFER_PREFIX + name
+        f = self.open_file(self.buffers_file())
+        key = name if self.version >= 3 else BUFFER_PREFIX + name
         if key not in f.keys():
-            raise CheckpointError(f"{self.dir / _rank_file(0, self.world)} lacks the buffer {name}: damaged checkpoint")
+            raise CheckpointError(f"{f.path} lacks the buffer {name}: damaged checkpoint")
         return f.tensor(key)
 
-    def scalar(self, name: str, key: str) -> Optional[float]:
+    def scalar(self, name: str, key: str, lo: int = 0, hi: Optional[int] = None) -> Optional[float]:
+        """The per-parameter scalar `key` (Adam's step) of parameter `name`, from the files that hold its
+        elements [lo, hi) first (the ones this rank reads anyway, so on node-local disks they are on this host),
+        then from any other file present."""
         g, s = self.where[name]
+        hi = s["numel"] if hi is None else hi
         slot_index = g["slots"].index(s)
         partitioned = g["shard_numel"] != g["padded_numel"]
-        first = s["offset"] // g["shard_numel"] if partitioned else 0
-        ranks = [first] + [r for r in range(self.world) if r != first] if partitioned else [0]
-        for r in ranks:
-            f = self._open(_rank_file(r, self.world))
-            k = f"g{g['index']}.scalar.{key}"
+        own = list(dict.fromkeys(self.files_for(name, lo, hi)))
+        rest = [_rank_file(p, self.partitions) for p in range(self.partitions)] if partitioned else \
+            [_rank_file(0, self.partitions)]
+        k = f"g{g['index']}.scalar.{key}"
+        for fname in own + [f for f in rest if f not in own and self.locate(f) is not None]:
+            f = self.open_file(fname)
             if k in f.keys():
                 v = float(f.read(k, slot_index, slot_index + 1)[0])
-                if v == v:  # not NaN: this rank held a segment of the parameter
+                if v == v:  # not NaN: this file's partition held a segment of the parameter
                     return v
         return None
 
@@ -421,6 +681,8 @@ def _check_model(engine: "ZeroEngine", src: CheckpointSource, directory: Path) -
 
 
 def read_manifest(directory: os.PathLike) -> Dict[str, Any]:
+    """The manifest of the checkpoint in `directory` (CheckpointError if there is none, or not one this version
+    reads)."""
     directory = Path(directory)
     path = directory / MANIFEST
     if not directory.is_dir():
@@ -441,64 +703,153 @@ def read_manifest(directory: os.PathLike) -> Dict[str, Any]:
     return manifest
 
 
-@torch.no_grad()
-def load_checkpoint(engine: "ZeroEngine", directory: os.PathLike, verify: bool = True) -> Dict[str, Any]:
-    """Collective. Restore weights, persistent buffers, optimizer state and loss scale into `engine`, whatever
-    world size or stage the checkpoint was saved at. Returns the manifest. `verify` checks each rank file read
-    against the manifest's SHA-256 (sizes are always checked)."""
-    directory = Path(directory)
-    src = CheckpointSource(directory, read_manifest(directory), verify=verify)
+def save_identity(manifest: Dict[str, Any]) -> str:
+    """What tells two saves apart: the save id (format 3), else a digest of the whole manifest."""
+    return manifest.get("save_id") or hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_manifests(directories: Sequence[os.PathLike]) -> Dict[str, Any]:
+    """The manifest of a checkpoint given as several folders (one per host's disk): every folder must hold the
+    same save."""
+    manifests = [(Path(d), read_manifest(d)) for d in directories]
+    first_dir, first = manifests[0]
+    for d, m in manifests[1:]:
+        if save_identity(m) != save_identity(first):
+            raise CheckpointError(f"{first_dir} and {d} hold different checkpoints (step {first.get('step')}, save "
+                                  f"{save_identity(first)} vs step {m.get('step')}, save {save_identity(m)}): pass "
+                                  f"the folders of one save")
+    return first
+
+
+def _check_param_groups(engine: "ZeroEngine", src: CheckpointSource, directory: Path) -> None:
+    saved = src.m["optimizer"]["param_groups"]
+    if len(saved) != len(engine.optimizer.param_groups):
+        raise CheckpointError(f"{directory}: {len(saved)} optimizer parameter groups saved, the optimizer has "
+                              f"{len(engine.optimizer.param_groups)}")
+
+
+def _needed_files(engine: "ZeroEngine", src: CheckpointSource) -> List[str]:
+    """The files this rank reads: those holding its owned ranges, and the buffers' file."""
+    needed = set()
+    for g in engine.groups:
+        for slot in g.plan.slots:
+            a, b = max(g.lo, slot.offset), min(g.hi, slot.offset + slot.numel)
+            if a < b:
+                needed.update(src.files_for(slot.name, a - slot.offset, b - slot.offset))
+    if (src.m.get("model") or {}).get("buffers"):
+        needed.add(src.buffers_file())
+    return sorted(needed)
+
+
+def _restore(engine: "ZeroEngine", src: CheckpointSource, directory: Path) -> None:
+    """Every read of this rank, straight into the engine's shards and optimizer state; no collective. The files
+    are checked before anything changes, so a missing or damaged file leaves the engine as it was."""
     _check_model(engine, src, directory)
-    rank = engine.comm.rank
+    _check_param_groups(engine, src, directory)
+    for fname in _needed_files(engine, src):
+        src.open_file(fname)
+    state_keys = {g["index"]: _keys(src, g, "state") for g in src.groups}
+    scalar_keys = {g["index"]: _keys(src, g, "scalar") for g in src.groups}
     engine.zero_grad()
     # Weights: every group's owned range, parameter by parameter.
     for g in engine.groups:
         dst = g.master if g.plan.trainable else g.shard
-        lo, hi = g.plan.owned_range(rank)
         for slot in g.plan.slots:
-            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            a, b = max(g.lo, slot.offset), min(g.hi, slot.offset + slot.numel)
             if a < b:
-                vals = src.read(slot.name, "values", a - slot.offset, b - slot.offset)
-                dst[a - lo:b - lo].copy_(vals)
+                dst[a - g.lo:b - g.lo].copy_(src.read(slot.name, "values", a - slot.offset, b - slot.offset))
         g.write_master_to_shard()
     if src.m.get("model") is not None:
         for b in src.m["model"]["buffers"]:
             engine.model.get_buffer(b["name"]).copy_(src.buffer(b["name"]))
     # Optimizer state, segment by segment.
     opt = engine.optimizer
-    state_keys = {g["index"]: _keys(src, g, "state") for g in src.groups}
-    scalar_keys = {g["index"]: _keys(src, g, "scalar") for g in src.groups}
     for seg in opt.segments:
         g, slot = seg.group, seg.slot
-        base = g.lo + seg.start - slot.offset
+        lo = g.lo + seg.start - slot.offset  # the segment's range inside the parameter
+        hi = lo + (seg.end - seg.start)
         state: Dict[str, Any] = {}
         sg, _ = src.where[slot.name]
         for key in state_keys[sg["index"]]:
-            v = src.read(slot.name, f"state.{key}", base, base + (seg.end - seg.start))
+            v = src.read(slot.name, f"state.{key}", lo, hi)
             if v is not None:
                 state[key] = v.to(device=seg.tensor.device, dtype=seg.tensor.dtype if v.is_floating_point() else v.dtype)
         for key in scalar_keys[sg["index"]]:
-            v = src.scalar(slot.name, key)
+            v = src.scalar(slot.name, key, lo, hi)
             if v is not None:
                 state[key] = torch.tensor(v, dtype=torch.float32)
         if state:
             opt.state[seg.tensor] = state
         else:
             opt.state.pop(seg.tensor, None)
-    saved_groups = src.m["optimizer"]["param_groups"]
-    if len(saved_groups) != len(opt.param_groups):
-        raise CheckpointError(f"{directory}: {len(saved_groups)} optimizer parameter groups saved, the optimizer "
-                              f"has {len(opt.param_groups)}")
-    for group, hp in zip(opt.param_groups, saved_groups):
+    for group, hp in zip(opt.param_groups, src.m["optimizer"]["param_groups"]):
         for k, v in hp.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
     if engine.scaler is not None and src.m.get("loss_scaler"):
         engine.scaler.load_state_dict(src.m["loss_scaler"])
-    # Stages 1/2 hold full parameters: refresh them from the restored shards.
-    if engine.config.stage in (1, 2) and engine.comm.world_size > 1:
+
+
+def _agree_on_load(engine: "ZeroEngine", directory: Path, error: Optional[str],
+                   manifest: Optional[Dict[str, Any]]) -> Optional[str]:
+    """Collective: the ranks' errors, or (all read fine) whether they all read the same save; None if all is
+    well. Hosts with disks of their own each read their own folder, which may hold another save."""
+    me = _where(engine.comm)
+    ident = (save_identity(manifest), manifest.get("step")) if manifest is not None else None
+    views = _exchange(engine.comm, (error, ident, me))
+    errors = [e for e, _, _ in views if e]
+    if errors:
+        shown = "; ".join(errors[:4]) + (f"; and {len(errors) - 4} more" if len(errors) > 4 else "")
+        return f"loading the checkpoint {directory} failed on {len(errors)} of {len(views)} ranks: {shown}"
+    saves: Dict[Any, List[Tuple[str, int]]] = {}
+    for _, ident, who in views:
+        saves.setdefault(ident, []).append(who)
+    if len(saves) > 1:
+        seen = "; ".join(f"{hosts.describe_ranks([r for _, r in who], [h for h, _ in who])} read step {i[1]} "
+                         f"(save {i[0]})" for i, who in saves.items())
+        return (f"the ranks read different checkpoints at {directory}: {seen}. A host's disk holds an older or "
+                f"another run's checkpoint at that path: copy the same checkpoint to every host")
+    return None
+
+
+@torch.no_grad()
+def load_checkpoint(engine: "ZeroEngine", directory: os.PathLike, verify: bool = True) -> Dict[str, Any]:
+    """Collective. Restore weights, persistent buffers, optimizer state and loss scale into `engine`, whatever
+    world size or stage the checkpoint was saved at. Returns the manifest. `verify` checks each file read
+    against the manifest's SHA-256 (sizes are always checked).
+
+    Every rank reads what it needs from its own `directory` first, with no collective; then the ranks agree, so
+    a rank that lacks a file (a checkpoint saved to node-local disks, resumed on other hosts) raises
+    CheckpointError on every rank, naming the host, the rank and the file, instead of leaving the others waiting.
+    A missing or damaged file leaves the engine unchanged; other failures (ranks that read different saves) may
+    leave it partly loaded: load again or rebuild it."""
+    directory = Path(directory)
+    comm = engine.comm
+    error, failure, manifest = None, None, None
+    src: Optional[CheckpointSource] = None
+    try:
+        manifest = read_manifest(directory)
+        src = CheckpointSource(directory, manifest, verify=verify, reader=_where(comm))
+        _restore(engine, src, directory)
+    except Exception as exc:
+        failure = exc
+        text = str(exc)
+        error = text if text.startswith(_whoami(comm)) else f"{_whoami(comm)}: {_describe(exc)}"
+    finally:
+        if src is not None:
+            src.close()
+    if not (comm.distributed and comm.world_size > 1):
+        if failure is not None:
+            raise failure
+        return manifest
+    agreed = _agree_on_load(engine, directory, error, manifest)
+    if agreed is not None:
+        raise CheckpointError(agreed) from failure
+    # Stages 1/2 hold full parameters: refresh them from the restored shards (over the partition group).
+    pcomm = partition_comm(engine)
+    if engine.config.stage in (1, 2) and pcomm.world_size > 1:
         for g in engine.groups:
-            engine.comm.all_gather(g.full, g.shard, f"load {g.plan.index}", async_op=False)
-    return src.m
+            pcomm.all_gather(g.full, g.shard, f"load {g.plan.index}", async_op=False)
+    return manifest
 
 
 def _keys(src: CheckpointSource, g: Dict[str, Any], kind: str) -> List[str]:
@@ -509,7 +860,7 @@ def _keys(src: CheckpointSource, g: Dict[str, Any], kind: str) -> List[str]:
     prefix = f"g{g['index']}.{kind}."
     partitioned = g["shard_numel"] != g["padded_numel"]
     keys = set()
-    for r in range(src.world if partitioned else 1):
-        f = src._open(_rank_file(r, src.world))
+    for r in range(src.partitions if partitioned else 1):
+        f = src.open_file(_rank_file(r, src.partitions))
         keys.update(k[len(prefix):] for k in f.keys() if k.startswith(prefix))
     return sorted(keys)

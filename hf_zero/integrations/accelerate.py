@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import weakref
+from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -20,7 +21,9 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import nn
 
-from ..checkpoint import export_pretrained, load_checkpoint, push_to_hub, save_checkpoint
+from ..checkpoint import (CheckpointError, export_pretrained, load_checkpoint, push_to_hub, read_manifest,
+                          save_checkpoint)
+from ..checkpoint.hosts import raise_if_any_failed, require_on_every_host
 from ..engine import ZeroEngine, ZeroOptimizer, enable_activation_checkpointing, shard_model
 from .plugin import ZeroPlugin
 
@@ -241,28 +244,100 @@ class HfZeroAccelerator(Accelerator):
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> str:
         """Accelerate's save_state (consolidated weights, schedulers, RNG, data loaders) plus every rank's optimizer
-        and master-weight shard in `zero_shards/` (Accelerate alone would keep only the main process's)."""
+        and master-weight shard in `zero_shards/` (Accelerate alone would keep only the main process's).
+
+        On disks the hosts do not share, every host gets its ranks' shards (see `save_checkpoint`); Accelerate
+        writes the scheduler, sampler and custom states on the main process only unless the accelerator has
+        `project_config=ProjectConfiguration(save_on_each_node=True)` (then every host's local main process does),
+        and resuming on another host needs them. The consolidated weights stay on the main process's host."""
         if not self.zero_engines:
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
-        with self._without(models=False, optimizers=True):
-            output_dir = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
-        save_checkpoint(self.zero_engine, os.path.join(output_dir, "zero_shards"), step=self.step)
+        handle = self.register_save_state_pre_hook(self._weights_on_main_process_only)
+        try:
+            with self._without(models=False, optimizers=True):
+                output_dir = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        finally:
+            handle.remove()
+        shards = os.path.join(output_dir, "zero_shards")
+        save_checkpoint(self.zero_engine, shards, step=self.step)
+        self._warn_if_node_local(shards)
         return output_dir
+
+    def _weights_on_main_process_only(self, models: List[nn.Module], weights: List[Dict[str, Any]],
+                                      output_dir: str) -> None:
+        # get_state_dict gathers the full weights on the main process and gives {} elsewhere: under
+        # save_on_each_node another host's local main process would write that empty dict as model.safetensors
+        # (on a shared disk, over the main process's file)
+        if not self.is_main_process:
+            weights.clear()
+        # Accelerate drops tied duplicates (which safetensors refuses) only from an OrderedDict, what
+        # model.state_dict() returns
+        weights[:] = [w if isinstance(w, OrderedDict) else OrderedDict(w) for w in weights]
+
+    def _warn_if_node_local(self, shards: str) -> None:
+        if self.project_configuration.save_on_each_node or not self.is_local_main_process:
+            return
+        disks = read_manifest(shards).get("disks") or [None]
+        if len(disks) > 1:
+            logger.warning(
+                "hf_zero: %s is on %d disks the hosts do not share: every host has its ranks' shards, but Accelerate "
+                "wrote the scheduler, sampler and custom states on the main process's host only, so load_state on the "
+                "other hosts will fail. Build the accelerator with "
+                "project_config=ProjectConfiguration(save_on_each_node=True)", shards, len(disks))
+
+    def _state_files(self) -> Dict[str, str]:
+        """What load_state reads besides the shards (as Accelerate's load_accelerator_state does), each with the
+        setting that writes it on every host."""
+        from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
+        from accelerate.utils import SAMPLER_NAME, SCHEDULER_NAME
+
+        main_only = ("Accelerate's save_state writes the scheduler, sampler and custom states on the main process "
+                     "only: on disks the hosts do not share, build the accelerator with "
+                     "project_config=ProjectConfiguration(save_on_each_node=True) so that every host's local main "
+                     "process writes them (or copy the file to the other hosts)")
+        files = {"": "Was the state saved to another path on those hosts?",
+                 "zero_shards/manifest.json": "Every host writes its own ranks' shards into zero_shards/: those "
+                                              "hosts saved elsewhere or lost their copy"}
+        for i in range(len(self._schedulers)):
+            files[f"{SCHEDULER_NAME}.bin" if i == 0 else f"{SCHEDULER_NAME}_{i}.bin"] = main_only
+        for i, loader in enumerate(self._dataloaders):
+            try:
+                seeded = isinstance(loader.dataset, IterableDatasetShard) and \
+                    isinstance(loader.get_sampler(), SeedableRandomSampler)
+            except AttributeError:
+                seeded = False
+            if seeded:
+                files[f"{SAMPLER_NAME}.bin" if i == 0 else f"{SAMPLER_NAME}_{i}.bin"] = main_only
+        for i in range(len(self._custom_objects)):
+            files[f"custom_checkpoint_{i}.pkl"] = main_only
+        return files
 
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
                    **load_model_func_kwargs: Any) -> None:
         """Restore a save_state folder: the shards restore weights and optimizer state at any world size; Accelerate
-        restores schedulers, RNG and data loaders."""
+        restores schedulers, RNG and data loaders.
+
+        Collective. A file that some hosts have and others lack (a state saved to node-local disks without
+        `ProjectConfiguration(save_on_each_node=True)`) raises CheckpointError on every rank, naming the file, the
+        hosts and the setting, as does a failure of Accelerate's own loading on any rank."""
         if not self.zero_engines:
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
         if input_dir is None:
             raise ValueError("HfZeroAccelerator.load_state needs input_dir: the folder save_state returned")
-        shards = os.path.join(os.path.expanduser(str(input_dir)), "zero_shards")
+        folder = os.path.expanduser(str(input_dir))
+        files = self._state_files()
+        require_on_every_host(folder, list(files), files, CheckpointError)
+        shards = os.path.join(folder, "zero_shards")
         if not os.path.isdir(shards):
             raise FileNotFoundError(f"{input_dir} has no zero_shards/ folder: it was not written by "
                                     f"HfZeroAccelerator.save_state, so it holds no optimizer shards")
-        with self._without(models=True, optimizers=True):
-            super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        error = None
+        try:
+            with self._without(models=True, optimizers=True):
+                super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        except Exception as exc:  # raised on every rank, not left to hang the others in load_checkpoint
+            error = exc
+        raise_if_any_failed(error, f"load_state({input_dir})", CheckpointError)
         load_checkpoint(self.zero_engine, shards)
 
     def free_memory(self, *objects: Any) -> Any:

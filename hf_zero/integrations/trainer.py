@@ -6,27 +6,39 @@
 
 The Trainer builds its Accelerator through the module-level name `transformers.trainer.Accelerator`; the
 subclass swaps that name for HfZeroAccelerator while the Trainer creates it. Saving writes consolidated
-weights (gathered from the shards, so never an empty stage-3 file) plus each rank's optimizer shard in a
-`zero_shards/` folder; resuming loads the consolidated weights before sharding (the Trainer's own path) and the
-shards after it.
+weights (gathered from the shards, so never an empty stage-3 file; on the main process) plus each rank's shard
+in a `zero_shards/` folder; resuming restores weights and optimizer state from the shards after sharding (the
+consolidated weights are not needed, so a host that has only its shards can resume).
+
+On disks the hosts do not share, the Trainer writes trainer_state.json and scheduler.pt on the main process only
+unless `TrainingArguments(save_on_each_node=True)`; a resume checks first that every host has them.
 """
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Union
 
 import torch
 import transformers.trainer as hf_trainer
 from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
+from ..checkpoint.hosts import all_gather_objects, describe_ranks, host_name, raise_if_any_failed, \
+    require_on_every_host
 from .accelerate import HfZeroAccelerator
 from .plugin import ZeroPlugin
 
 SHARDS_DIR = "zero_shards"
 SCHEDULER_NAME = "scheduler.pt"
+TRAINER_STATE_NAME = "trainer_state.json"
+_MAIN_ONLY = ("The Trainer writes trainer_state.json and scheduler.pt on the main process only: on disks the hosts "
+              "do not share, set TrainingArguments(save_on_each_node=True) so that every host's local main process "
+              "writes them (or copy them to the other hosts)")
+logger = logging.getLogger("hf_zero")
 
 
 class ZeroTrainingArguments(TrainingArguments):
@@ -70,8 +82,8 @@ class ZeroTrainerMixin:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.accelerator.zero_engines:  # not prepared yet (e.g. save before train): plain weights
             return super().save_model(output_dir, _internal_call=_internal_call)
-        state_dict = self.accelerator.get_state_dict(self.model)  # collective
-        if self.args.should_save:
+        state_dict = self.accelerator.get_state_dict(self.model)  # collective; {} but on the main process
+        if self.args.should_save and self.args.process_index == 0:  # not another host's empty dict (save_on_each_node)
             self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
@@ -79,11 +91,69 @@ class ZeroTrainerMixin:
     # ------------------------------------------------------------------ optimizer shards
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         step = self.state.global_step if self.state is not None else None
-        save_checkpoint(self.zero_engine, os.path.join(output_dir, SHARDS_DIR), step=step)
+        shards = os.path.join(output_dir, SHARDS_DIR)
+        save_checkpoint(self.zero_engine, shards, step=step)
         if self.args.should_save and self.lr_scheduler is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        self._warn_if_node_local(shards)
+
+    def _warn_if_node_local(self, shards: str) -> None:
+        if self.args.save_on_each_node or self.args.process_index != 0 or getattr(self, "_warned_node_local", False):
+            return
+        disks = read_manifest(shards).get("disks") or [None]
+        if len(disks) > 1:
+            self._warned_node_local = True
+            logger.warning("hf_zero: %s is on %d disks the hosts do not share: every host has its ranks' shards, "
+                           "but the Trainer writes trainer_state.json and scheduler.pt (and rotates checkpoints) on "
+                           "the main process's host only, so resuming on the other hosts will fail. Set "
+                           "TrainingArguments(save_on_each_node=True)", shards, len(disks))
+
+    def train(self, resume_from_checkpoint: Union[str, bool, None] = None, *args: Any, **kwargs: Any) -> Any:
+        """Trainer.train; a resume first checks on every rank that every host has the checkpoint's files (a
+        checkpoint on node-local disks saved without save_on_each_node=True has them on one host only), so that
+        a missing file raises CheckpointError everywhere instead of hanging the other ranks."""
+        if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
+            resume_from_checkpoint = self._check_resume(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _check_resume(self, checkpoint: Union[str, bool]) -> Union[str, bool]:
+        if checkpoint is True:
+            try:
+                found = get_last_checkpoint(self.args.output_dir)
+            except FileNotFoundError:
+                found = None
+            views = all_gather_objects((host_name(), self.args.process_index,
+                                        os.path.basename(found) if found else None))
+            by_name: Dict[Optional[str], list] = {}
+            for host, rank, name in views:
+                by_name.setdefault(name, []).append((host, rank))
+            if len(by_name) > 1:
+                seen = "; ".join(f"{describe_ranks([r for _, r in who], [h for h, _ in who])}: {name or 'none'}"
+                                 for name, who in by_name.items())
+                raise CheckpointError(f"resume_from_checkpoint=True finds different last checkpoints in "
+                                      f"{self.args.output_dir} on different hosts ({seen}). {_MAIN_ONLY}; or pass "
+                                      f"the checkpoint's path")
+            if found is None:
+                return checkpoint  # the Trainer raises its own error, on every rank alike
+            checkpoint = found
+        files: Dict[str, str] = {
+            "": "Was it saved to another path on those hosts?",
+            TRAINER_STATE_NAME: _MAIN_ONLY,
+            SCHEDULER_NAME: _MAIN_ONLY,
+            f"{SHARDS_DIR}/manifest.json": f"Every host writes its own ranks' shards into {SHARDS_DIR}/: those "
+                                          f"hosts saved elsewhere or lost their copy",
+        }
+        require_on_every_host(str(checkpoint), list(files), files, CheckpointError)
+        return checkpoint
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[torch.nn.Module] = None) -> None:
+        """A ZeroTrainer checkpoint's shards restore every weight after sharding: its consolidated weights (on the
+        main process's host only) are not read. Other checkpoints load as the Trainer loads them."""
+        if os.path.isfile(os.path.join(resume_from_checkpoint, SHARDS_DIR, "manifest.json")):
+            return None
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None:
@@ -94,8 +164,13 @@ class ZeroTrainerMixin:
                                     f"so there is no optimizer state to resume from")
         load_checkpoint(self.zero_engine, shards)
         path = os.path.join(checkpoint, SCHEDULER_NAME)
-        if self.lr_scheduler is not None and os.path.isfile(path):
-            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+        error = None
+        try:
+            if self.lr_scheduler is not None and os.path.isfile(path):
+                self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+        except Exception as exc:  # raised on every rank: the others would wait in the first training step
+            error = exc
+        raise_if_any_failed(error, f"loading {path}", CheckpointError)
 
     def _load_best_model(self) -> None:
         """The best checkpoint's master weights come back from its shards (the model is sharded by now)."""
