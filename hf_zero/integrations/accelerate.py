@@ -259,7 +259,7 @@ class HfZeroAccelerator(Accelerator):
         finally:
             handle.remove()
         shards = os.path.join(output_dir, "zero_shards")
-        save_checkpoint(self.zero_engine, shards, step=self.step)
+        save_checkpoint(self.zero_engine, shards, step=self.step // max(1, self.gradient_accumulation_steps))
         self._warn_if_node_local(shards)
         return output_dir
 
