@@ -355,4 +355,42 @@ def _close_process_group(ref: "weakref.ref[HfZeroAccelerator]") -> None:
             engine.wait()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    _release_destroyed_groups()
+
+
+def _release_destroyed_groups() -> None:
+    """Free the destroyed process groups now, while the interpreter is intact.
+
+    destroy_process_group() unregisters a group, but its gloo backend and worker threads live until the last
+    reference to it goes. Modules imported after init_process_group hold such references in default arguments
+    `group=dist.group.WORLD` (torch.distributed.nn.functional, which torch._dynamo imports when the first torch.optim
+    optimizer is built; DeepSpeed's comm backend), so the threads would live into interpreter finalization, where one
+    that drops the last reference to a Python tensor must take the GIL and CPython ends it with pthread_exit: std::
+    terminate, "terminate called without an active exception", SIGABRT (pytorch/pytorch#190489). Every group is
+    destroyed when this runs: point those defaults at None (the default group) and collect."""
+    import gc
+    import sys
+    import types
+
+    pg_type = torch.distributed.ProcessGroup
+
+    def scrub(fn: types.FunctionType) -> None:
+        if fn.__defaults__ and any(isinstance(v, pg_type) for v in fn.__defaults__):
+            fn.__defaults__ = tuple(None if isinstance(v, pg_type) else v for v in fn.__defaults__)
+        if fn.__kwdefaults__ and any(isinstance(v, pg_type) for v in fn.__kwdefaults__.values()):
+            fn.__kwdefaults__ = {k: None if isinstance(v, pg_type) else v for k, v in fn.__kwdefaults__.items()}
+
+    for module in list(sys.modules.values()):
+        members = getattr(module, "__dict__", None)
+        if not isinstance(members, dict):
+            continue
+        for obj in list(members.values()):
+            candidates = list(obj.__dict__.values()) if isinstance(obj, type) else [obj]
+            for fn in candidates:
+                if isinstance(fn, (staticmethod, classmethod)):
+                    fn = fn.__func__
+                if isinstance(fn, types.FunctionType):
+                    scrub(fn)
+    gc.collect()
+
 
