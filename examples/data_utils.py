@@ -88,15 +88,35 @@ def _build_atomically(target: Path, build: Callable[[Path], None]) -> Path:
 
 
 def on_main_then_all(accelerator, target: Path, marker: str, build: Callable[[Path], None], what: str) -> Path:
-    """Build `target` once on the main process (atomically); the other ranks wait at a barrier and then use it."""
+    """Build `target` once on the main process (atomically); the other ranks wait at a barrier and then use it.
+
+    On a cluster whose hosts each cache on a local disk (nothing shared between hosts), the other hosts do not see
+    the main process's copy: there the first process of each such host builds its own (every build is
+    deterministic: the same tokenizer from the same text, the same model from the same seed), while the others
+    wait at a second barrier. With a shared cache nobody builds twice."""
     if accelerator.is_main_process and not _is_complete(target, marker):
         accelerator.print(f"building {what} in {target} (once; cached afterwards)")
         _build_atomically(target, build)
     accelerator.wait_for_everyone()
+    if accelerator.is_local_main_process and not _is_complete(target, marker):  # another host's own disk
+        _build_atomically(target, build)
+    accelerator.wait_for_everyone()
     if not _is_complete(target, marker):
-        raise RuntimeError(f"{what} was not found in {target} after the main process built it (is the cache folder "
-                           f"shared by all ranks? set {CACHE_ENV} to a shared folder)")
+        raise RuntimeError(f"{what} was not found in {target} after the first process of this host built it (do "
+                           f"the processes of one host share the cache folder? set {CACHE_ENV} to a folder they "
+                           f"all see)")
     return target
+
+
+def save_pretrained_here(model, out_dir: Path, **kwargs) -> None:
+    """`model.save_pretrained(out_dir)` written by this process, whatever its rank: once torch.distributed is
+    initialised, Transformers writes only on global rank 0, and on_main_then_all has the first process of every
+    other host build that host's own copy of the cache."""
+    model.should_save_on_this_rank = lambda is_main_process: True  # this model object only (instance attribute)
+    try:
+        model.save_pretrained(out_dir, **kwargs)
+    finally:
+        del model.should_save_on_this_rank
 
 
 # ------------------------------------------------------------------------------------------------ default model
@@ -118,7 +138,7 @@ def convert_smollm2(out_dir: Path) -> None:
     if missing or unexpected:
         raise RuntimeError(f"converting {gguf}: missing keys {missing}, unexpected keys {unexpected}")
     model.tie_weights()
-    model.save_pretrained(out_dir, safe_serialization=True)
+    save_pretrained_here(model, out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 
 
@@ -174,7 +194,7 @@ def tiny_model_dir(accelerator, cache_dir: Path, config, seed: int) -> Path:
         with torch.random.fork_rng(devices=[]):  # the run's own random stream (data order) must not depend on it
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.save_pretrained(out, max_shard_size="2MB")
+        save_pretrained_here(model, out, max_shard_size="2MB")
 
     key = hashlib.sha256((config.to_json_string() + str(seed)).encode()).hexdigest()[:16]
     return on_main_then_all(accelerator, cache_dir / f"tiny-llama-{key}", "config.json", build, "the tiny model")
