@@ -455,7 +455,7 @@ def _to_format_2(src, dst):
     and none of format 3's manifest keys."""
     from safetensors.torch import load_file, save_file
 
-    from hf_zero.checkpoint.sharded import _sha256
+    from hf_zero.checkpoint.source import sha256 as _sha256
 
     shutil.copytree(src, dst)
     m = json.loads((dst / "manifest.json").read_text())

@@ -2,7 +2,8 @@
 export (from a live engine or offline from the shard files) and the Hub push."""
 from .export import export_pretrained
 from .hub import push_to_hub
-from .sharded import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
+from .sharded import load_checkpoint, save_checkpoint
+from .source import CheckpointError, read_manifest
 
 __all__ = ["CheckpointError", "export_pretrained", "load_checkpoint", "push_to_hub", "read_manifest",
            "save_checkpoint"]

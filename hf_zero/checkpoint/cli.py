@@ -22,7 +22,7 @@ def add_consolidate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_consolidate(args: argparse.Namespace) -> int:
     from .export import export_pretrained
-    from .sharded import CheckpointError
+    from .source import CheckpointError
 
     size = int(args.max_shard_size) if str(args.max_shard_size).isdigit() else args.max_shard_size
     try:
@@ -46,7 +46,7 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_push(args: argparse.Namespace) -> int:
     from .hub import DEFAULT_MESSAGE, push_to_hub
-    from .sharded import CheckpointError
+    from .source import CheckpointError
 
     try:
         info = push_to_hub(args.folder, args.repo_id, token=args.token, private=args.private,

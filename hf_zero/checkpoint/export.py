@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from .layout import config_texts, dtype_name, model_config_texts, model_layout
-from .sharded import (CheckpointError, CheckpointSource, partition_comm, plan_manifest, read_manifests,
-                      swap_into_place)
+from .sharded import partition_comm, plan_manifest, swap_into_place
+from .source import CheckpointError, CheckpointSource, read_manifests
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine

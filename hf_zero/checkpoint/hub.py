@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from .sharded import MANIFEST, CheckpointError
+from .source import MANIFEST, CheckpointError
 
 DEFAULT_MESSAGE = "Upload model exported with hf_zero"
 
