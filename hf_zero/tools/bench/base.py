@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 
 @dataclass
@@ -126,3 +126,22 @@ def init_worker_group(rank: int, world_size: int, port: int, threads: int, timeo
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return device
+
+
+def write_json_line(path: str, settings: Dict[str, Any], rows: List[Dict[str, Any]]) -> None:
+    """The run as one JSON line ({"settings", "rows"}; NaN and inf become null) to `path`, or stdout for "-"."""
+    import json
+    import math
+
+    import torch
+
+    payload = {"settings": {**settings, "backend": "nccl" if torch.cuda.is_available() else "gloo",
+                            "torch": torch.__version__},
+               "rows": [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+                        for r in rows]}
+    text = json.dumps(payload)
+    if path == "-":
+        print(text, flush=True)
+    else:
+        with open(path, "w") as f:
+            f.write(text + "\n")

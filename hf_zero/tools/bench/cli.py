@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 import time
 from dataclasses import asdict
 from typing import Any, Callable, Dict, List, Optional
 
-from .base import Settings, cpu_count, extensions_dir
+from .base import Settings, cpu_count, extensions_dir, write_json_line
 from .load import LOAD_PRESETS, add_load_arguments, resolve_model_config, run_load
 from .runner import (DEFAULT_TIMEOUT_S, PRESETS, RANKS_PER_HOST_FLAG, SYSTEMS, log, max_positions,
                      build_config, run_system, skipped_row)
@@ -209,17 +207,8 @@ def run(args: argparse.Namespace) -> int:
     print(table, file=sys.stdout if to_stdout else sys.stderr, flush=True)
 
     if args.json:
-        payload = {"settings": {**asdict(settings), "systems": systems, "tokens_per_step": settings.tokens_per_step,
-                                "backend": "nccl" if torch.cuda.is_available() else "gloo",
-                                "torch": torch.__version__},
-                   "rows": [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
-                            for r in rows]}
-        text = json.dumps(payload)
-        if args.json == "-":
-            print(text, flush=True)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        write_json_line(args.json, {**asdict(settings), "systems": systems,
+                                     "tokens_per_step": settings.tokens_per_step}, rows)
 
     if getattr(args, "plot", None):
         from .plot import plot_rows

@@ -52,7 +52,6 @@ import argparse
 import datetime
 import gc
 import json
-import math
 import os
 import shutil
 import sys
@@ -61,7 +60,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
-from .base import Settings, WorkerContext, cpu_count, extensions_dir, init_worker_group
+from .base import Settings, WorkerContext, cpu_count, extensions_dir, init_worker_group, write_json_line
 from .load_systems import DeepSpeedLoad, FSDP2Load, HfZeroLoad, Loaded, LoadJob, weight_files
 from .runner import build_config, load_model_config, log
 from .spawn import error_summary, first_error, spawn, worker_done, worker_failed
@@ -432,20 +431,10 @@ def run_load(args: argparse.Namespace) -> int:
     to_stdout = args.json != "-"
     print(format_load_table(rows), file=sys.stdout if to_stdout else sys.stderr, flush=True)
     if args.json:
-        payload = {"settings": {"mode": "load", "model_name": model_name, "model_config": model_config,
-                                "num_processes": world, "systems": systems, "files": job.files,
-                                "saved": saved, "threads_per_rank": threads, "seed": args.seed,
-                                "malloc_mmap_threshold": args.malloc_mmap_threshold,
-                                "backend": "nccl" if torch.cuda.is_available() else "gloo",
-                                "torch": torch.__version__},
-                   "rows": [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
-                            for r in rows]}
-        text = json.dumps(payload)
-        if args.json == "-":
-            print(text, flush=True)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        write_json_line(args.json, {"mode": "load", "model_name": model_name, "model_config": model_config,
+                                    "num_processes": world, "systems": systems, "files": job.files,
+                                    "saved": saved, "threads_per_rank": threads, "seed": args.seed,
+                                    "malloc_mmap_threshold": args.malloc_mmap_threshold}, rows)
     failed = [r["system"] for r in rows if r["status"] != "ok" and r.get("hf_zero")]
     if failed:
         log(f"hf_zero system(s) failed: {', '.join(failed)}")
