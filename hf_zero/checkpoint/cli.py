@@ -10,7 +10,8 @@ def add_consolidate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a sharded checkpoint folder (hf_zero.checkpoint.save_checkpoint), or one per host when "
                              "the hosts saved to disks of their own (each rank file is read from the folder that "
                              "holds it)")
-    parser.add_argument("out_dir", help="where to write the save_pretrained layout (replaced atomically)")
+    parser.add_argument("out_dir", help="where to write the save_pretrained layout: a new or empty folder, or an "
+                                        "earlier export (replaced atomically)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest output file, as save_pretrained's (default 5GB)")
     parser.add_argument("--dtype", default=None, help="cast floating tensors: bf16, fp16, fp32 (default: as trained)")
     parser.add_argument("--config", default=None,
@@ -18,6 +19,9 @@ def add_consolidate_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the config saved with the checkpoint)")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder to include")
     parser.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the rank files")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace out_dir even if it is a file or a folder that is not an earlier export (a model folder) "
+                             "(without it such a path is refused and left untouched)")
 
 
 def run_consolidate(args: argparse.Namespace) -> int:
@@ -28,7 +32,8 @@ def run_consolidate(args: argparse.Namespace) -> int:
     try:
         src = args.checkpoints[0] if len(args.checkpoints) == 1 else args.checkpoints
         out = export_pretrained(src, args.out_dir, model_config=args.config, tokenizer=args.tokenizer,
-                                max_shard_size=size, dtype=args.dtype, verify=not args.no_verify)
+                                max_shard_size=size, dtype=args.dtype, verify=not args.no_verify,
+                                overwrite=args.overwrite)
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         print(f"hf-zero consolidate: error: {exc}", file=sys.stderr)
         return 1

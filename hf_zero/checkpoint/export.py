@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from .layout import config_texts, dtype_name, model_config_texts, model_layout
-from .sharded import partition_comm, plan_manifest, swap_into_place
+from .publish import check_target, fsync_tree, is_export, resolve, swap_into_place
+from .sharded import partition_comm, plan_manifest
 from .source import CheckpointError, CheckpointSource, read_manifests
 
 if TYPE_CHECKING:
@@ -173,6 +174,8 @@ class _EngineReader:
         self._full: Optional[torch.Tensor] = None
         self.collective = True
         _, self.buffers = model_layout(engine)
+        self.values = {g.index: g.values for g in engine.shard_state().groups}
+        self.device = engine.device
 
     @torch.no_grad()
     def __call__(self, e: _Entry) -> Optional[torch.Tensor]:
@@ -183,13 +186,13 @@ class _EngineReader:
         gi = e.group["index"]
         if gi != self._index:
             self._full = None  # drop the previous group before gathering the next
-            g = self.engine.groups[gi]
-            src = g.master if g.plan.trainable else g.shard
-            if g.plan.shard_numel == g.plan.padded_numel:
+            src = self.values[gi]
+            padded = e.group["padded_numel"]
+            if src.numel() == padded:  # not partitioned
                 self._full = src
             else:
-                local = src.to(self.engine.device)
-                self._full = torch.empty(g.plan.padded_numel, dtype=local.dtype, device=self.engine.device)
+                local = src.to(self.device)
+                self._full = torch.empty(padded, dtype=local.dtype, device=self.device)
                 self.pcomm.all_gather(self._full, local, f"export group {gi}", async_op=False)
             self._index = gi
         if not self.rank0:
@@ -285,6 +288,7 @@ def _complete(tmp: Path, out_dir: Path, configs: Dict[str, bytes], tokenizer: An
         (tmp / name).write_bytes(text)
     _save_tokenizer(tokenizer, tmp)
     _carry_over(out_dir, tmp)
+    fsync_tree(tmp)  # every byte on the disk before the rename publishes the folder
     swap_into_place(tmp, out_dir)
 
 
@@ -334,7 +338,7 @@ def export_pretrained(src: Union["ZeroEngine", str, os.PathLike, Sequence[Union[
                       out_dir: Union[str, os.PathLike],
                       model_config: Any = None, tokenizer: Any = None, max_shard_size: Union[int, str] = "5GB",
                       dtype: Union[None, str, torch.dtype] = None, progress: bool = True,
-                      verify: bool = True) -> Path:
+                      verify: bool = True, overwrite: bool = False) -> Path:
     """Write the Hugging Face `save_pretrained` layout of the model to `out_dir`.
 
     Args:
@@ -342,8 +346,10 @@ def export_pretrained(src: Union["ZeroEngine", str, os.PathLike, Sequence[Union[
             written by `save_checkpoint(engine, dir)` (offline: no process group, no model code), or a list of
             such folders: one per host when the hosts saved to disks of their own (each file is read from the
             first folder that has it; a file in none of them is an error naming it).
-        out_dir: the output folder; replaced atomically (files there that an export does not write are kept,
-            earlier weight files are not).
+        out_dir: the output folder: missing, empty, or an earlier export (a model folder in save_pretrained's
+            layout), which is replaced atomically
+            (files there that an export does not write are kept, earlier weight files are not). A regular file or
+            a folder of other files is refused (CheckpointError, nothing touched) unless `overwrite=True`.
         model_config: a `PretrainedConfig`, a folder with `config.json` (and maybe `generation_config.json`) or a
             JSON file; default: the engine's `model.config`, or the config saved with the checkpoint.
         tokenizer: a tokenizer (anything with `save_pretrained`) or a folder `AutoTokenizer` can read.
@@ -351,6 +357,7 @@ def export_pretrained(src: Union["ZeroEngine", str, os.PathLike, Sequence[Union[
         dtype: cast floating tensors (e.g. "bf16"); default: each tensor's original dtype.
         progress: a tqdm bar over the output files (on the writing rank).
         verify: check the rank files against the manifest's SHA-256 before reading them (offline).
+        overwrite: replace `out_dir` even if it is a file or a folder that is not an earlier export.
     Returns:
         `out_dir` as a Path (on every rank).
     """
@@ -359,7 +366,7 @@ def export_pretrained(src: Union["ZeroEngine", str, os.PathLike, Sequence[Union[
     from ..engine import ZeroEngine
 
     if isinstance(src, ZeroEngine):
-        return _export_engine(src, out_dir, model_config, tokenizer, max_shard_size, dtype, progress)
+        return _export_engine(src, out_dir, model_config, tokenizer, max_shard_size, dtype, progress, overwrite)
     if isinstance(src, (str, os.PathLike)):
         folders = [Path(src)]
     elif isinstance(src, (list, tuple)) and src and all(isinstance(d, (str, os.PathLike)) for d in src):
@@ -367,11 +374,13 @@ def export_pretrained(src: Union["ZeroEngine", str, os.PathLike, Sequence[Union[
     else:
         raise TypeError(f"src must be a ZeroEngine, a checkpoint folder or a list of checkpoint folders, got "
                         f"{type(src).__name__}")
+    check_target(out_dir, is_export, "export", overwrite)
     return _export_dir(folders, out_dir, model_config, tokenizer, max_shard_size, dtype, progress, verify)
 
 
 def _export_dir(folders: List[Path], out_dir: Path, model_config, tokenizer, max_shard_size, dtype, progress,
                 verify) -> Path:
+    folders = [resolve(f) for f in folders]  # a save killed between its two renames left the previous one aside
     manifest = read_manifests(folders)
     ckpt = folders[0]
     model = manifest.get("model")
@@ -409,7 +418,7 @@ def _export_dir(folders: List[Path], out_dir: Path, model_config, tokenizer, max
 
 @torch.no_grad()
 def _export_engine(engine: "ZeroEngine", out_dir: Path, model_config, tokenizer, max_shard_size, dtype,
-                   progress) -> Path:
+                   progress, overwrite) -> Path:
     comm = engine.comm
     multi = comm.distributed and comm.world_size > 1
     engine.wait()  # no reduction of the engine's may still be in flight beside the export's own collectives
@@ -422,6 +431,7 @@ def _export_engine(engine: "ZeroEngine", out_dir: Path, model_config, tokenizer,
     configs: Dict[str, bytes] = {}
     if comm.rank == 0:
         try:
+            check_target(out_dir, is_export, "export", overwrite)
             out_dtype = dtype_name(dtype) if dtype is not None else layout["dtype"]
             configs = _config_files(model_config, layout, model_config_texts(engine.model, layout["dtype"]),
                                     out_dtype)

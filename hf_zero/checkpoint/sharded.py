@@ -22,6 +22,7 @@ failed), so a failure on any rank raises on every rank and leaves the previous c
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -39,12 +40,14 @@ import torch.distributed as dist
 
 from . import hosts
 from .layout import dtype_name, persistent_buffers, model_config_texts, model_layout
+from .publish import check_target, clean_leftovers, fsync_path, fsync_tree, is_checkpoint, remove, resolve, swap, unswap
 from .source import (BUFFERS_FILE, FORMAT_VERSION, MANIFEST, CheckpointError, CheckpointSource, rank_file,
                      read_manifest, save_identity, sha256)
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
     from ..engine.comm import Comm
+    from ..engine.state import ShardState
 
 DISK_CHECKS = 3  # how often the ranks compare which markers they see before giving up (file system delays)
 logger = logging.getLogger("hf_zero")
@@ -99,31 +102,26 @@ def _exchange(comm: "Comm", obj: Any) -> List[Any]:
 
 
 # ---------------------------------------------------------------------------------------------- save
-def _partition_tensors(engine: "ZeroEngine") -> Dict[str, torch.Tensor]:
+def _partition_tensors(state: "ShardState", plans: List[Any]) -> Dict[str, torch.Tensor]:
     """This rank's partition: per group the master (trainable) or compute (frozen) range and each optimizer
     state over it; per-parameter scalars (Adam's step) as one slot per group slot (NaN where the partition holds
     none of the parameter)."""
     out: Dict[str, torch.Tensor] = {}
-    seg_by_group: Dict[int, list] = {}
-    for seg in engine.optimizer.segments:
-        seg_by_group.setdefault(seg.group.plan.index, []).append(seg)
-    for g in engine.groups:
-        gi = g.plan.index
-        out[f"g{gi}.values"] = (g.master if g.plan.trainable else g.shard).detach().to("cpu").contiguous()
-        for seg in seg_by_group.get(gi, []):
-            for key, value in engine.optimizer.state.get(seg.tensor, {}).items():
-                if not torch.is_tensor(value):
-                    continue
-                if value.dim() == 0:
-                    name = f"g{gi}.scalar.{key}"
-                    if name not in out:
-                        out[name] = torch.full((len(g.plan.slots),), float("nan"), dtype=torch.float64)
-                    out[name][g.plan.slots.index(seg.slot)] = float(value)
-                else:
-                    name = f"g{gi}.state.{key}"
-                    if name not in out:
-                        out[name] = torch.zeros(g.plan.shard_numel, dtype=value.dtype)
-                    out[name][seg.start:seg.end] = value.detach().to("cpu").reshape(-1)
+    for g in state.groups:
+        out[f"g{g.index}.values"] = g.values.detach().to("cpu").contiguous()
+    for seg in state.segments:
+        gp = plans[seg.group]
+        for key, value in seg.state.items():
+            if value.dim() == 0:
+                name = f"g{seg.group}.scalar.{key}"
+                if name not in out:
+                    out[name] = torch.full((len(gp.slots),), float("nan"), dtype=torch.float64)
+                out[name][[s.name for s in gp.slots].index(seg.slot)] = float(value)
+            else:
+                name = f"g{seg.group}.state.{key}"
+                if name not in out:
+                    out[name] = torch.zeros(gp.shard_numel, dtype=value.dtype)
+                out[name][seg.start:seg.end] = value.detach().to("cpu").reshape(-1)
     return out
 
 
@@ -133,13 +131,15 @@ def _buffer_bytes(buffers: Dict[str, torch.Tensor]) -> bytes:
     return _st.save(tensors, metadata={"format": "hf_zero-sharded"})
 
 
-def plan_manifest(engine: "ZeroEngine") -> List[Dict[str, Any]]:
+def plan_manifest(engine: "ZeroEngine", state: Optional["ShardState"] = None) -> List[Dict[str, Any]]:
     """The flat groups as the manifest records them (also the layout the online export reads)."""
+    state = state if state is not None else engine.shard_state()
+    master = {g.index: g.values.dtype for g in state.groups if g.trainable}
     return [
         {
             "index": g.index, "unit": g.unit, "dtype": dtype_name(g.dtype), "trainable": g.trainable,
             "numel": g.numel, "padded_numel": g.padded_numel, "shard_numel": g.shard_numel,
-            "master_dtype": dtype_name(engine.groups[g.index].master.dtype) if g.trainable else None,
+            "master_dtype": dtype_name(master[g.index]) if g.trainable else None,
             "slots": [
                 {"name": s.name, "aliases": list(s.aliases), "shape": list(s.shape),
                  "dtype": dtype_name(s.orig_dtype), "offset": s.offset, "numel": s.numel}
@@ -150,14 +150,8 @@ def plan_manifest(engine: "ZeroEngine") -> List[Dict[str, Any]]:
     ]
 
 
-def _manifest(engine: "ZeroEngine", step: Optional[int], layout: Dict[str, Any], partitions: int,
-              save_id: str) -> Dict[str, Any]:
-    opt = engine.optimizer
-    name_of = {id(seg.tensor): seg.slot.name for seg in opt.segments}
-    groups_hp = []
-    for group in opt.param_groups:
-        hp = {k: _json_value(v) for k, v in group.items() if k != "params"}
-        groups_hp.append(hp)
+def _manifest(engine: "ZeroEngine", state: "ShardState", step: Optional[int], layout: Dict[str, Any],
+              partitions: int, save_id: str) -> Dict[str, Any]:
     return {
         "format": "hf_zero-sharded",
         "format_version": FORMAT_VERSION,
@@ -167,15 +161,15 @@ def _manifest(engine: "ZeroEngine", step: Optional[int], layout: Dict[str, Any],
         "stage": engine.config.stage,
         "config": engine.config.to_dict(),
         "step": step,
-        "groups": plan_manifest(engine),
+        "groups": plan_manifest(engine, state),
         "model": layout,
         "optimizer": {
-            "class": engine.optimizer.user_optimizer_class.__name__,
-            "param_groups": groups_hp,
+            "class": state.optimizer_class,
+            "param_groups": [{k: _json_value(v) for k, v in hp.items()} for hp in state.param_groups],
             # which user group each parameter is optimised in (by name, so the layout may change)
-            "param_group_of": {name_of[id(p)]: gi for gi, grp in enumerate(opt.param_groups) for p in grp["params"]},
+            "param_group_of": state.param_group_of,
         },
-        "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+        "loss_scaler": state.loss_scaler,
         "buffers_file": BUFFERS_FILE,
     }
 
@@ -225,51 +219,22 @@ def _record_state_keys(manifest: Dict[str, Any], names: List[str]) -> None:
         g["scalar_keys"].sort()
 
 
-def _swap(tmp: Path, directory: Path) -> Optional[Path]:
-    """Rename `tmp` to `directory`; an existing `directory` is moved aside first (and back if the second rename
-    fails). Returns where the previous folder now is, if there was one."""
-    old = None
-    if directory.exists():
-        old = directory.parent / f"{directory.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(directory, old)
-    try:
-        os.replace(tmp, directory)
-    except BaseException:
-        if old is not None:
-            os.replace(old, directory)
-        raise
-    return old
-
-
-def _unswap(tmp: Path, directory: Path, old: Optional[Path]) -> None:
-    """Undo `_swap`: the new folder goes back to `tmp` (and is removed), the previous one back into place."""
-    os.replace(directory, tmp)
-    if old is not None:
-        os.replace(old, directory)
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-def swap_into_place(tmp: Path, directory: Path) -> None:
-    """Rename `tmp` to `directory`, replacing an existing `directory` (restored if the second rename fails)."""
-    old = _swap(tmp, directory)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 class _Save:
     """One rank's part of a save_checkpoint call. Each step runs locally and ends in an exchange of every rank's
     result (so a failure anywhere stops the save everywhere, before any rename):
 
+    0. check that `directory` is missing, empty, or a previous checkpoint (else nothing is touched);
     1. make the temporary folder and drop this rank's marker in it;
     2. look up every rank's marker: the ranks on this rank's disk; every rank learns every disk;
     3. the lowest rank per (disk, partition) writes the partition file;
     4. rank 0 builds the manifest (from every file's checksum), config files and buffers once, for every disk;
     5. each disk's lowest rank (its leader) writes them;
-    6. the leaders rename their temporary folder into place, and undo it if another disk's rename failed.
+    6. the leaders fsync and rename their temporary folder into place (publish.py), and undo it if another disk's
+       rename failed; after a successful save they remove what crashed saves of the same path left behind.
     """
 
-    def __init__(self, engine: "ZeroEngine", directory: Path, step: Optional[int]) -> None:
-        self.engine, self.dir, self.step = engine, directory, step
+    def __init__(self, engine: "ZeroEngine", directory: Path, step: Optional[int], overwrite: bool) -> None:
+        self.engine, self.dir, self.step, self.overwrite = engine, directory, step, overwrite
         self.comm = comm = engine.comm
         self.me = _whoami(comm)
         self.partition, self.partitions = partition_of(engine)
@@ -281,8 +246,10 @@ class _Save:
         self.tmp = directory.parent / f"{directory.name}.tmp-{self.save_id}"
         self.leader = False
         self.payload: Optional[Tuple[str, Dict[str, bytes], bytes]] = None
+        self.state = engine.shard_state()
 
     def run(self) -> Path:
+        self._round("checking the path", lambda: check_target(self.dir, is_checkpoint, "checkpoint", self.overwrite))
         ranks = self._round("creating the temporary folder", self._mark)
         disks = self._find_disks()
         mine = next(d for d in disks if self.comm.rank in d)
@@ -343,8 +310,9 @@ class _Save:
             return None
         fname = rank_file(self.partition, self.partitions)
         path = self.tmp / fname
-        tensors = _partition_tensors(self.engine)
+        tensors = _partition_tensors(self.state, self.engine.plan.groups)
         _st.save_file(tensors, str(path), metadata={"format": "hf_zero-sharded"})
+        fsync_path(path)
         keys = list(tensors)
         del tensors
         return fname, sha256(path), path.stat().st_size, keys
@@ -355,7 +323,7 @@ class _Save:
             return
         layout, buffers = model_layout(self.engine)
         buf = _buffer_bytes(buffers)
-        manifest = _manifest(self.engine, self.step, layout, self.partitions, self.save_id)
+        manifest = _manifest(self.engine, self.state, self.step, layout, self.partitions, self.save_id)
         _record_files(manifest, ranks, shards, disks, buf)
         self.payload = (json.dumps(manifest, indent=1), model_config_texts(self.engine.model, layout["dtype"]), buf)
 
@@ -373,22 +341,24 @@ class _Save:
         for name, data in configs.items():
             (self.tmp / name).write_bytes(data)
         (self.tmp / MANIFEST).write_text(text)  # last: a folder with a manifest has every file
+        fsync_tree(self.tmp)  # every byte on the disk before the rename publishes the folder
 
     def _rename(self) -> None:
         old, swapped, error = None, False, None
         if self.leader:
             try:
-                old, swapped = _swap(self.tmp, self.dir), True
+                old, swapped = swap(self.tmp, self.dir), True
             except Exception as exc:
                 error = f"{self.me}: renaming {self.tmp} to {self.dir}: {_describe(exc)}"
         errors = [e for e in _exchange(self.comm, error) if e]
         if not errors:
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            if self.leader:
+                remove(old)
+                clean_leftovers(self.dir)  # crashed saves' folders: the new checkpoint makes them useless
             return
         if swapped:  # another disk failed: put this one's previous checkpoint back too
             try:
-                _unswap(self.tmp, self.dir, old)
+                unswap(self.tmp, self.dir, old)
             except Exception as exc:
                 errors.append(f"{self.me}: restoring the previous checkpoint failed ({_describe(exc)}); it is in "
                               f"{old}")
@@ -399,7 +369,8 @@ class _Save:
                               f"checkpoint (if any) on every host")
 
 
-def save_checkpoint(engine: "ZeroEngine", directory: os.PathLike, step: Optional[int] = None) -> Path:
+def save_checkpoint(engine: "ZeroEngine", directory: os.PathLike, step: Optional[int] = None,
+                    overwrite: bool = False) -> Path:
     """Collective. Write the engine's training state to `directory`: a file per partition, `manifest.json`,
     `buffers.safetensors` and the model's config files.
 
@@ -408,13 +379,18 @@ def save_checkpoint(engine: "ZeroEngine", directory: os.PathLike, step: Optional
     partition files of the ranks on it (each written once per disk), the manifest, the config files and the
     buffers. Atomic: the ranks agree that every file was written before any temporary folder is renamed into
     place, so a failure on any rank raises CheckpointError on every rank and leaves the previous checkpoint in
-    `directory` untouched on every disk."""
+    `directory` untouched on every disk. A process killed at any instant leaves `directory` loadable: the previous
+    checkpoint or the new one (see publish.py; `load_checkpoint` finds a previous one an interrupted rename moved
+    aside).
+
+    `directory` must be missing, an empty folder or a previous checkpoint; a regular file or a folder of other
+    files raises CheckpointError and is left untouched, unless `overwrite=True`."""
     engine.wait()  # no reduction of the engine's may still be in flight beside the checkpoint's own collectives
-    return _Save(engine, Path(directory), step).run()
+    return _Save(engine, Path(directory), step, overwrite).run()
 
 
 # ---------------------------------------------------------------------------------------------- load
-def _check_model(engine: "ZeroEngine", src: CheckpointSource, directory: Path) -> None:
+def _check_model(engine: "ZeroEngine", template: "ShardState", src: CheckpointSource, directory: Path) -> None:
     mine = {s.name: s for g in engine.plan.groups for s in g.slots}
     saved = {s["name"]: s for g in src.groups for s in g["slots"]}
     missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
@@ -439,24 +415,24 @@ def _check_model(engine: "ZeroEngine", src: CheckpointSource, directory: Path) -
                 f"shape mismatches {shapes[:5]}" if shapes else "",
             ]))
         )
-    cls = engine.optimizer.user_optimizer_class.__name__
+    cls = template.optimizer_class
     if src.m["optimizer"]["class"] != cls:
         raise CheckpointError(f"{directory} holds {src.m['optimizer']['class']} state but the optimizer is {cls}")
 
 
 
-def _check_param_groups(engine: "ZeroEngine", src: CheckpointSource, directory: Path) -> None:
+def _check_param_groups(template: "ShardState", src: CheckpointSource, directory: Path) -> None:
     saved = src.m["optimizer"]["param_groups"]
-    if len(saved) != len(engine.optimizer.param_groups):
+    if len(saved) != len(template.param_groups):
         raise CheckpointError(f"{directory}: {len(saved)} optimizer parameter groups saved, the optimizer has "
-                              f"{len(engine.optimizer.param_groups)}")
+                              f"{len(template.param_groups)}")
 
 
-def _needed_files(engine: "ZeroEngine", src: CheckpointSource) -> List[str]:
+def _needed_files(template: "ShardState", plans: List[Any], src: CheckpointSource) -> List[str]:
     """The files this rank reads: those holding its owned ranges, and the buffers' file."""
     needed = set()
-    for g in engine.groups:
-        for slot in g.plan.slots:
+    for g in template.groups:
+        for slot in plans[g.index].slots:
             a, b = max(g.lo, slot.offset), min(g.hi, slot.offset + slot.numel)
             if a < b:
                 needed.update(src.files_for(slot.name, a - slot.offset, b - slot.offset))
@@ -465,52 +441,44 @@ def _needed_files(engine: "ZeroEngine", src: CheckpointSource) -> List[str]:
     return sorted(needed)
 
 
-def _restore(engine: "ZeroEngine", src: CheckpointSource, directory: Path) -> None:
-    """Every read of this rank, straight into the engine's shards and optimizer state; no collective. The files
-    are checked before anything changes, so a missing or damaged file leaves the engine as it was."""
-    _check_model(engine, src, directory)
-    _check_param_groups(engine, src, directory)
-    for fname in _needed_files(engine, src):
+def _stage(engine: "ZeroEngine", src: CheckpointSource, directory: Path) -> "ShardState":
+    """Every read of this rank into fresh tensors in the engine's shard layout; no collective, and nothing of the
+    engine changes (a missing, damaged or foreign file raises here)."""
+    template = engine.shard_state()
+    _check_model(engine, template, src, directory)
+    _check_param_groups(template, src, directory)
+    plans = engine.plan.groups
+    for fname in _needed_files(template, plans, src):
         src.open_file(fname)
     state_keys = {g["index"]: _keys(src, g, "state") for g in src.groups}
     scalar_keys = {g["index"]: _keys(src, g, "scalar") for g in src.groups}
-    engine.zero_grad()
-    # Weights: every group's owned range, parameter by parameter.
-    for g in engine.groups:
-        dst = g.master if g.plan.trainable else g.shard
-        for slot in g.plan.slots:
+    groups = []
+    for g in template.groups:  # every group's owned range, parameter by parameter (padding stays zero)
+        values = torch.zeros(g.hi - g.lo, dtype=g.values.dtype)
+        for slot in plans[g.index].slots:
             a, b = max(g.lo, slot.offset), min(g.hi, slot.offset + slot.numel)
             if a < b:
-                dst[a - g.lo:b - g.lo].copy_(src.read(slot.name, "values", a - slot.offset, b - slot.offset))
-        g.write_master_to_shard()
-    if src.m.get("model") is not None:
-        for b in src.m["model"]["buffers"]:
-            engine.model.get_buffer(b["name"]).copy_(src.buffer(b["name"]))
-    # Optimizer state, segment by segment.
-    opt = engine.optimizer
-    for seg in opt.segments:
-        g, slot = seg.group, seg.slot
-        lo = g.lo + seg.start - slot.offset  # the segment's range inside the parameter
-        hi = lo + (seg.end - seg.start)
-        state: Dict[str, Any] = {}
-        sg, _ = src.where[slot.name]
+                values[a - g.lo:b - g.lo].copy_(src.read(slot.name, "values", a - slot.offset, b - slot.offset))
+        groups.append(dataclasses.replace(g, values=values))
+    segments = []
+    for seg in template.segments:  # optimizer state, segment by segment
+        lo, hi = seg.param_lo, seg.param_lo + (seg.end - seg.start)  # the segment's range inside the parameter
+        sg, _ = src.where[seg.slot]
+        state: Dict[str, torch.Tensor] = {}
         for key in state_keys[sg["index"]]:
-            v = src.read(slot.name, f"state.{key}", lo, hi)
+            v = src.read(seg.slot, f"state.{key}", lo, hi)
             if v is not None:
-                state[key] = v.to(device=seg.tensor.device, dtype=seg.tensor.dtype if v.is_floating_point() else v.dtype)
+                state[key] = v
         for key in scalar_keys[sg["index"]]:
-            v = src.scalar(slot.name, key, lo, hi)
+            v = src.scalar(seg.slot, key, lo, hi)
             if v is not None:
                 state[key] = torch.tensor(v, dtype=torch.float32)
-        if state:
-            opt.state[seg.tensor] = state
-        else:
-            opt.state.pop(seg.tensor, None)
-    for group, hp in zip(opt.param_groups, src.m["optimizer"]["param_groups"]):
-        for k, v in hp.items():
-            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
-    if engine.scaler is not None and src.m.get("loss_scaler"):
-        engine.scaler.load_state_dict(src.m["loss_scaler"])
+        segments.append(dataclasses.replace(seg, state=state))
+    saved_model = src.m.get("model")
+    buffers = {b["name"]: src.buffer(b["name"]) for b in saved_model["buffers"]} if saved_model is not None else {}
+    return dataclasses.replace(template, groups=groups, segments=segments, buffers=buffers,
+                               param_groups=[dict(hp) for hp in src.m["optimizer"]["param_groups"]],
+                               loss_scaler=src.m.get("loss_scaler") if engine.scaler is not None else None)
 
 
 def _agree_on_load(engine: "ZeroEngine", directory: Path, error: Optional[str],
@@ -535,26 +503,21 @@ def _agree_on_load(engine: "ZeroEngine", directory: Path, error: Optional[str],
     return None
 
 
-@torch.no_grad()
-def load_checkpoint(engine: "ZeroEngine", directory: os.PathLike, verify: bool = True) -> Dict[str, Any]:
-    """Collective. Restore weights, persistent buffers, optimizer state and loss scale into `engine`, whatever
-    world size or stage the checkpoint was saved at. Returns the manifest. `verify` checks each file read
-    against the manifest's SHA-256 (sizes are always checked).
-
-    Every rank reads what it needs from its own `directory` first, with no collective; then the ranks agree, so
-    a rank that lacks a file (a checkpoint saved to node-local disks, resumed on other hosts) raises
-    CheckpointError on every rank, naming the host, the rank and the file, instead of leaving the others waiting.
-    A missing or damaged file leaves the engine unchanged; other failures (ranks that read different saves) may
-    leave it partly loaded: load again or rebuild it."""
-    directory = Path(directory)
+def stage_checkpoint(engine: "ZeroEngine", directory: os.PathLike,
+                     verify: bool = True) -> Tuple[Dict[str, Any], "ShardState"]:
+    """Collective. Read and check everything this rank needs from the checkpoint in `directory` into a staged
+    `ShardState` (fresh tensors; the engine does not change), and agree with the other ranks: an error on any rank
+    raises CheckpointError on every rank. Returns (manifest, staged); `engine.load_shard_state(staged)` applies it.
+    Lets a caller that restores more (schedulers, RNG) check everything before changing anything."""
     comm = engine.comm
-    error, failure, manifest = None, None, None
+    directory = resolve(directory)  # a save killed between its two renames left the previous one aside
+    error, failure, manifest, staged = None, None, None, None
     src: Optional[CheckpointSource] = None
     try:
         manifest = read_manifest(directory)
         src = CheckpointSource(directory, manifest, verify=verify, reader=_where(comm))
-        _restore(engine, src, directory)
-    except Exception as exc:
+        staged = _stage(engine, src, directory)
+    except Exception as exc:  # any error goes through the agreement: the other ranks must not wait for this one
         failure = exc
         text = str(exc)
         error = text if text.startswith(_whoami(comm)) else f"{_whoami(comm)}: {_describe(exc)}"
@@ -564,15 +527,29 @@ def load_checkpoint(engine: "ZeroEngine", directory: os.PathLike, verify: bool =
     if not (comm.distributed and comm.world_size > 1):
         if failure is not None:
             raise failure
-        return manifest
+        return manifest, staged
     agreed = _agree_on_load(engine, directory, error, manifest)
     if agreed is not None:
         raise CheckpointError(agreed) from failure
-    # Stages 1/2 hold full parameters: refresh them from the restored shards (over the partition group).
-    pcomm = partition_comm(engine)
-    if engine.config.stage in (1, 2) and pcomm.world_size > 1:
-        for g in engine.groups:
-            pcomm.all_gather(g.full, g.shard, f"load {g.plan.index}", async_op=False)
+    return manifest, staged
+
+
+@torch.no_grad()
+def load_checkpoint(engine: "ZeroEngine", directory: os.PathLike, verify: bool = True) -> Dict[str, Any]:
+    """Collective. Restore weights, persistent buffers, optimizer state and loss scale into `engine`, whatever
+    world size or stage the checkpoint was saved at. Returns the manifest. `verify` checks each file read
+    against the manifest's SHA-256 (sizes are always checked).
+
+    All or nothing: every rank reads and checks what it needs from its own `directory` into staged tensors first,
+    with no collective; then the ranks agree, so a rank that lacks a file (a checkpoint saved to node-local disks,
+    resumed on other hosts) or holds a damaged one raises CheckpointError on every rank, naming the host, the rank
+    and the file, instead of leaving the others waiting; only when every rank read everything does any rank change
+    its engine (`engine.load_shard_state`). A failed load leaves every rank's engine as it was.
+
+    `directory` missing while a complete `NAME.old-*` lies beside it (a save killed between its two renames)
+    loads that previous checkpoint."""
+    manifest, staged = stage_checkpoint(engine, directory, verify)
+    engine.load_shard_state(staged)
     return manifest
 
 

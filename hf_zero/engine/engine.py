@@ -27,6 +27,7 @@ from .optimizer import ZeroOptimizer, check_elementwise
 from .planning import ShardPlan, find_unit_modules, plan_model
 from .reducer import Reducer
 from .scaler import LossScaler
+from .state import ShardState, apply_shard_state, capture_shard_state
 from .topology import Topology, build_topology
 from .weights import WeightsError
 
@@ -337,6 +338,18 @@ class ZeroEngine:
         for key, value in local_sd.items():
             out[key] = values[key] if key in values else value.detach().to("cpu").clone()
         return out
+
+    # ------------------------------------------------------------------ training state (checkpoints)
+    def shard_state(self) -> ShardState:
+        """This rank's training state (owned values, optimizer state per segment, hyper-parameters, loss scale,
+        persistent buffers) as views of the engine's tensors: what a checkpoint saves. See engine/state.py."""
+        return capture_shard_state(self)
+
+    def load_shard_state(self, staged: ShardState) -> None:
+        """Replace this rank's training state with `staged` (fresh tensors in `shard_state()`'s layout), all at
+        once; a layout mismatch raises ValueError before anything changes. Collective at stages 1/2 (the full
+        parameters are all-gathered from the new shards): call it on every rank."""
+        apply_shard_state(self, staged)
 
 
 def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, config: Optional[ZeroConfig] = None,
