@@ -5,6 +5,10 @@ A training script changes one import (`from hf_zero import HfZeroAccelerator as 
 and returns the ZeRO optimizer; `backward`, `no_sync`/`accumulate`, `clip_grad_norm_`, `get_state_dict`,
 `save_model` and `free_memory` go through the engine. Mixed precision is the engine's (bf16/fp16 compute copies
 with fp32 master weights), so Accelerate itself runs with mixed_precision="no" (no autocast, no GradScaler).
+
+A checkpoint folder runs no code: `no_code_from_files` is the one place that decides how the pickled files
+Accelerate and the Trainer read (RNG, scheduler, sampler, data-loader and custom states) are unpickled, for
+`load_state` here and ZeroTrainer's resume.
 """
 from __future__ import annotations
 
@@ -12,6 +16,9 @@ import atexit
 import contextlib
 import logging
 import os
+import pickle
+import re
+import threading
 import weakref
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Optional
@@ -32,6 +39,79 @@ logger = logging.getLogger("hf_zero")
 
 def _launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+# ------------------------------------------------------------------------------------------ files that run no code
+class UntrustedPickleError(CheckpointError):
+    """A checkpoint file holds a pickle that cannot be loaded without running code from it (torch.load with
+    weights_only=True refuses it). The message names the file and the opt-in that trusts it."""
+
+
+def _numpy_data_types() -> List[Any]:
+    """What the numpy part of an RNG state (np.random.get_state(): a uint32 ndarray) needs besides plain data:
+    numpy's array and dtype classes and its array reconstructor, which builds an empty array of an allowed class
+    (the unpickler admits only allowed classes). Data types only: no function that could do anything else."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype]
+    dtypes = getattr(np, "dtypes", None)  # numpy >= 1.25 pickles a dtype by its class (UInt32DType, ...)
+    if dtypes is not None:
+        allowed += [t for t in vars(dtypes).values() if isinstance(t, type) and issubclass(t, np.dtype)]
+    return allowed
+
+
+def _refusal(exc: BaseException) -> str:
+    """The reason in torch's weights-only error, without its advice to load with weights_only=False or to allow
+    the refused global (which is the payload)."""
+    text = str(exc)
+    m = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.? Please |\n\s*\n|$)", text, re.S)
+    return " ".join((m.group(1) if m else text.strip().splitlines()[0] if text.strip() else type(exc).__name__)
+                    .split())
+
+
+@contextlib.contextmanager
+def no_code_from_files(opt_in: str, trust: bool = False) -> Iterator[List[UntrustedPickleError]]:
+    """Inside: every `torch.load` of this thread builds tensors and plain data only, whatever its caller asked.
+
+    Accelerate's `load_state` reads `custom_checkpoint_{i}.pkl` with `weights_only=False` (a planted file runs its
+    payload) and everything else with `weights_only=True` unless `load_kwargs` says otherwise; the Trainer reads
+    `rng_state*.pth`, `scheduler.pt` and `scaler.pt` with `weights_only=True`. Both call `torch.load` at the time
+    of the read, so this one patch covers every file they read, and files of future versions too: `weights_only`
+    becomes True (plus numpy's RNG-state data types and whatever the user allowed with
+    `torch.serialization.add_safe_globals`), and a refusal raises `UntrustedPickleError` naming the file and
+    `opt_in`. `trust=True` unpickles in full (`weights_only=False`), as stock Accelerate does for custom states.
+
+    Yields the refusals raised inside, in order: Accelerate catches every error of its RNG-state read and goes on,
+    so the caller raises the first one after the fact. Other threads' `torch.load` calls are left alone."""
+    original = torch.load
+    owner = threading.get_ident()
+    refused: List[UntrustedPickleError] = []
+
+    def load(f: Any, map_location: Any = None, pickle_module: Any = None, **kwargs: Any) -> Any:
+        if threading.get_ident() != owner:
+            return original(f, map_location, pickle_module, **kwargs)
+        kwargs.pop("weights_only", None)
+        if trust:
+            return original(f, map_location, pickle_module, weights_only=False, **kwargs)
+        try:
+            with torch.serialization.safe_globals(_numpy_data_types()):
+                return original(f, map_location, weights_only=True, **kwargs)
+        except pickle.UnpicklingError as exc:
+            name = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", repr(f))
+            error = UntrustedPickleError(
+                f"{name}: refused to unpickle ({_refusal(exc)}). hf_zero reads checkpoint files with "
+                f"torch.load(weights_only=True) so that a folder cannot run code; this file needs full unpickling, "
+                f"which runs whatever code it holds. If you trust whoever wrote the folder, pass {opt_in}; or allow "
+                f"just the classes it needs with torch.serialization.add_safe_globals([...])")
+            refused.append(error)
+            raise error from None
+
+    torch.load = load
+    try:
+        yield refused
+    finally:
+        torch.load = original
 
 
 class HfZeroAccelerator(Accelerator):
@@ -313,15 +393,26 @@ class HfZeroAccelerator(Accelerator):
         return files
 
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
-                   **load_model_func_kwargs: Any) -> None:
+                   trust_pickles: bool = False, **load_model_func_kwargs: Any) -> None:
         """Restore a save_state folder: the shards restore weights and optimizer state at any world size; Accelerate
-        restores schedulers, RNG and data loaders.
+        restores schedulers, RNG, data loaders and registered custom objects.
 
         Collective. A file that some hosts have and others lack (a state saved to node-local disks without
         `ProjectConfiguration(save_on_each_node=True)`) raises CheckpointError on every rank, naming the file, the
-        hosts and the setting, as does a failure of Accelerate's own loading on any rank."""
+        hosts and the setting, as does a failure of Accelerate's own loading on any rank.
+
+        The folder runs no code: every pickled file read here (`random_states_{i}.pkl`, `scheduler*.bin`,
+        `sampler*.bin`, `dl_state_dict*.bin`, `custom_checkpoint_{i}.pkl`; before `prepare` also Accelerate's model
+        and optimizer `.bin` files) is loaded with `torch.load(weights_only=True)`: tensors, plain Python data and
+        numpy's RNG arrays. Stock Accelerate unpickles `custom_checkpoint_{i}.pkl` in full, which runs whatever a
+        planted file holds. A file that needs more (a custom state holding other Python objects) raises
+        UntrustedPickleError (a CheckpointError; on every rank), naming the file. `trust_pickles=True` (or
+        `load_kwargs={"weights_only": False}`) is the opt-in: it unpickles in full, as stock Accelerate does; use
+        it only for folders whose writer you trust, or allow just the needed classes with
+        `torch.serialization.add_safe_globals`."""
+        trust = trust_pickles or (load_kwargs or {}).get("weights_only") is False
         if not self.zero_engines:
-            return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+            return self._load_accelerate_state(input_dir, load_kwargs, trust, **load_model_func_kwargs)
         if input_dir is None:
             raise ValueError("HfZeroAccelerator.load_state needs input_dir: the folder save_state returned")
         folder = os.path.expanduser(str(input_dir))
@@ -334,11 +425,20 @@ class HfZeroAccelerator(Accelerator):
         error = None
         try:
             with self._without(models=True, optimizers=True):
-                super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+                self._load_accelerate_state(input_dir, load_kwargs, trust, **load_model_func_kwargs)
         except Exception as exc:  # raised on every rank, not left to hang the others in load_checkpoint
             error = exc
         raise_if_any_failed(error, f"load_state({input_dir})", CheckpointError)
         load_checkpoint(self.zero_engine, shards)
+
+    def _load_accelerate_state(self, input_dir: Optional[str], load_kwargs: Optional[dict], trust: bool,
+                               **load_model_func_kwargs: Any) -> None:
+        """Accelerate's load_state with no code run from the files (`no_code_from_files`); a refusal Accelerate
+        swallowed (it goes on without the RNG state when reading it fails) is raised."""
+        with no_code_from_files("load_state(..., trust_pickles=True)", trust) as refused:
+            super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        if refused:
+            raise refused[0]
 
     def free_memory(self, *objects: Any) -> Any:
         for engine in self.zero_engines:

@@ -12,6 +12,11 @@ consolidated weights are not needed, so a host that has only its shards can resu
 
 On disks the hosts do not share, the Trainer writes trainer_state.json and scheduler.pt on the main process only
 unless `TrainingArguments(save_on_each_node=True)`; a resume checks first that every host has them.
+
+A checkpoint runs no code on resume: the pickled files it reads (rng_state*.pth, scheduler.pt; scaler.pt and a
+non-hf_zero checkpoint's weights where the stock Trainer reads them) go through `no_code_from_files`
+(torch.load with weights_only=True), and a refusal raises on every rank, naming the file and the opt-in
+`train(..., trust_pickles=True)`. trainer_state.json is JSON; training_args.bin is never read.
 """
 from __future__ import annotations
 
@@ -29,12 +34,13 @@ from transformers.trainer_utils import get_last_checkpoint
 from ..checkpoint import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
 from ..checkpoint.hosts import all_gather_objects, describe_ranks, host_name, raise_if_any_failed, \
     require_on_every_host
-from .accelerate import HfZeroAccelerator
+from .accelerate import HfZeroAccelerator, no_code_from_files
 from .plugin import ZeroPlugin
 
 SHARDS_DIR = "zero_shards"
 SCHEDULER_NAME = "scheduler.pt"
 TRAINER_STATE_NAME = "trainer_state.json"
+_TRUST_OPT_IN = "trainer.train(resume_from_checkpoint=..., trust_pickles=True)"
 _MAIN_ONLY = ("The Trainer writes trainer_state.json and scheduler.pt on the main process only: on disks the hosts "
               "do not share, set TrainingArguments(save_on_each_node=True) so that every host's local main process "
               "writes them (or copy them to the other hosts)")
@@ -110,13 +116,43 @@ class ZeroTrainerMixin:
                            "the main process's host only, so resuming on the other hosts will fail. Set "
                            "TrainingArguments(save_on_each_node=True)", shards, len(disks))
 
-    def train(self, resume_from_checkpoint: Union[str, bool, None] = None, *args: Any, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: Union[str, bool, None] = None, *args: Any, trust_pickles: bool = False,
+              **kwargs: Any) -> Any:
         """Trainer.train; a resume first checks on every rank that every host has the checkpoint's files (a
         checkpoint on node-local disks saved without save_on_each_node=True has them on one host only), so that
-        a missing file raises CheckpointError everywhere instead of hanging the other ranks."""
+        a missing file raises CheckpointError everywhere instead of hanging the other ranks.
+
+        The checkpoint runs no code: its pickled files are read with torch.load(weights_only=True), and one that
+        needs more raises UntrustedPickleError (CheckpointError at world size > 1; on every rank) naming the file.
+        `trust_pickles=True` unpickles them in full: only for checkpoints whose writer you trust."""
+        self._trust_pickles = trust_pickles
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._check_resume(resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _read_files(self, what: str, read: Any, *args: Any) -> Any:
+        """Collective: `read(*args)` with no code run from the files it loads (`no_code_from_files`); an error on
+        any rank raises CheckpointError on every rank (the others would wait in their next collective)."""
+        error, out = None, None
+        try:
+            with no_code_from_files(_TRUST_OPT_IN, getattr(self, "_trust_pickles", False)):
+                out = read(*args)
+        except Exception as exc:
+            error = exc
+        raise_if_any_failed(error, what, CheckpointError)
+        return out
+
+    def _load_rng_state(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None:
+            return None
+        return self._read_files(f"loading the RNG state of {checkpoint}", super()._load_rng_state, checkpoint)
+
+    def _load_scaler(self, checkpoint: Optional[str]) -> None:
+        """hf_zero's fp16 loss scale is part of the shards (Accelerate has no GradScaler under hf_zero): a
+        scaler.pt (a stock fp16 checkpoint's) is not read."""
+        if checkpoint is None or self.accelerator.scaler is None:
+            return None
+        return self._read_files(f"loading the scaler of {checkpoint}", super()._load_scaler, checkpoint)
 
     def _check_resume(self, checkpoint: Union[str, bool]) -> Union[str, bool]:
         if checkpoint is True:
@@ -153,7 +189,8 @@ class ZeroTrainerMixin:
         main process's host only) are not read. Other checkpoints load as the Trainer loads them."""
         if os.path.isfile(os.path.join(resume_from_checkpoint, SHARDS_DIR, "manifest.json")):
             return None
-        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        with no_code_from_files(_TRUST_OPT_IN, getattr(self, "_trust_pickles", False)):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None:
@@ -164,13 +201,12 @@ class ZeroTrainerMixin:
                                     f"so there is no optimizer state to resume from")
         load_checkpoint(self.zero_engine, shards)
         path = os.path.join(checkpoint, SCHEDULER_NAME)
-        error = None
-        try:
-            if self.lr_scheduler is not None and os.path.isfile(path):
-                self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
-        except Exception as exc:  # raised on every rank: the others would wait in the first training step
-            error = exc
-        raise_if_any_failed(error, f"loading {path}", CheckpointError)
+        if self.lr_scheduler is not None:  # an error on any rank raises on every rank (the others would wait)
+            self._read_files(f"loading {path}", self._load_scheduler, path)
+
+    def _load_scheduler(self, path: str) -> None:
+        if os.path.isfile(path):
+            self.lr_scheduler.load_state_dict(torch.load(path))
 
     def _load_best_model(self) -> None:
         """The best checkpoint's master weights come back from its shards (the model is sharded by now)."""
