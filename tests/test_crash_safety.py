@@ -1,0 +1,119 @@
+"""A save killed at any instant leaves a checkpoint that the next launch resumes from, with no hand work.
+
+Each test runs tests/scripts/crash_save.py as W real gloo ranks in separate processes: they save DIR/ckpt (step 1),
+train on and save it again; during the second save the leader reaches a state (the previous folder moved aside,
+the new one complete but not renamed, a partition file written) and reports it with a file, and the test kills it
+by its pid there. The survivors must exit on their own (no hang). Then a fresh process (this one, world size 1)
+loads DIR/ckpt, `hf-zero consolidate` exports it, and both must hold exactly the step-1 weights; the load must not
+clean the crashed save's leftovers, and the next successful save of the same path must.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import models
+from hf_zero import ZeroConfig, shard_model
+from hf_zero.checkpoint import load_checkpoint, save_checkpoint
+
+SCRIPT = Path(__file__).parent / "scripts" / "crash_save.py"
+START_TIMEOUT_S = 300  # to reach the pause: two imports of torch + transformers and two tiny steps, on 2 busy cores
+EXIT_TIMEOUT_S = 120  # the survivors' collective with the killed leader fails (PG timeout 60 s at the latest)
+
+
+def _leftovers(folder: Path):
+    return sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+
+
+def _kill_during_second_save(tmp: Path, world: int, pause: str) -> None:
+    """Run the W ranks until the leader reports `pause`, SIGKILL it, and wait for the others to fail by themselves."""
+    logs = [open(tmp / f"rank{r}.log", "w") for r in range(world)]
+    cmd = [sys.executable, str(SCRIPT), "--world", str(world), "--store", str(tmp / "store"), "--dir", str(tmp),
+           "--pause", pause]
+    procs = [subprocess.Popen(cmd + ["--rank", str(r)], stdout=logs[r], stderr=subprocess.STDOUT)
+             for r in range(world)]
+    try:
+        paused, deadline = tmp / "paused", time.monotonic() + START_TIMEOUT_S
+        while not (paused.is_file() and paused.read_text().strip()):
+            dead = [r for r, p in enumerate(procs) if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                what = f"ranks {dead} exited" if dead else f"no pause within {START_TIMEOUT_S} s"
+                raise AssertionError(f"{what} before the leader reached {pause!r}:\n" +
+                                     "\n".join((tmp / f"rank{r}.log").read_text()[-3000:] for r in range(world)))
+            try:  # wait on the leader for a moment between looks at the file (it must not exit)
+                procs[0].wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+        pid = int(paused.read_text())
+        assert pid == procs[0].pid
+        os.kill(pid, signal.SIGKILL)
+        assert procs[0].wait(timeout=30) == -signal.SIGKILL
+        for r, p in enumerate(procs[1:], 1):
+            try:
+                code = p.wait(timeout=EXIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"rank {r} still runs {EXIT_TIMEOUT_S} s after the leader was killed (a hang)")
+            assert code > 0, f"rank {r} exited with {code}: expected an error exit after the leader's death"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+
+
+def _fresh_engine():
+    model = models.make_model("gpt2", seed=7)  # other weights than the run's: only the load can make them right
+    return shard_model(model, models.make_optimizer(model), ZeroConfig(stage=1))
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad, f"differ from the step-1 weights: {bad}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,pause", [(2, "between-renames"), (3, "between-renames"), (2, "before-rename"),
+                                         (2, "writing")])
+def test_kill_during_save_leaves_a_checkpoint_to_resume(tmp_path, world, pause):
+    _kill_during_second_save(tmp_path, world, pause)
+    ckpt = tmp_path / "ckpt"
+    left = _leftovers(tmp_path)
+    if pause == "between-renames":  # the window: no ckpt at all, the previous one aside, the new one complete
+        assert not ckpt.exists()
+        assert [n.split(".")[1].split("-")[0] for n in left] == ["old", "tmp"], left
+    else:
+        assert (ckpt / "manifest.json").is_file() and [n.split("-")[0] for n in left] == ["ckpt.tmp"], left
+    first = load_file(tmp_path / "first.safetensors")
+
+    # the next launch resumes from the same path, with no hand work
+    engine = _fresh_engine()
+    manifest = load_checkpoint(engine, ckpt)
+    assert manifest["step"] == 1 and manifest["world_size"] == world
+    _assert_equal(engine.full_state_dict(), first)
+    assert _leftovers(tmp_path) == left, "a load removed or renamed the crashed save's folders"
+
+    # hf-zero consolidate exports the same weights
+    out = tmp_path / "export"
+    res = subprocess.run([sys.executable, "-m", "hf_zero.cli", "consolidate", str(ckpt), str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    exported = load_file(out / "model.safetensors")
+    _assert_equal({k: exported[k] for k in exported}, {k: first[k] for k in exported})
+
+    # the next successful save of the path publishes it and cleans what the crash left
+    save_checkpoint(engine, ckpt, step=5)
+    assert _leftovers(tmp_path) == []
+    again = _fresh_engine()
+    assert load_checkpoint(again, ckpt)["step"] == 5
+    _assert_equal(again.full_state_dict(), first)  # the engine held the step-1 weights when it saved
