@@ -23,15 +23,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import warnings
+from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 import torch
 import transformers.trainer as hf_trainer
 from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
 
-from ..checkpoint import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
+from ..checkpoint import (CheckpointError, is_checkpoint, load_checkpoint, read_manifest, resolve_checkpoint,
+                          save_checkpoint, stage_checkpoint)
 from ..checkpoint.hosts import all_gather_objects, describe_ranks, host_name, raise_if_any_failed, \
     require_on_every_host
 from .accelerate import HfZeroAccelerator, no_code_from_files
@@ -156,10 +158,7 @@ class ZeroTrainerMixin:
 
     def _check_resume(self, checkpoint: Union[str, bool]) -> Union[str, bool]:
         if checkpoint is True:
-            try:
-                found = get_last_checkpoint(self.args.output_dir)
-            except FileNotFoundError:
-                found = None
+            found = _last_complete_checkpoint(self.args.output_dir)
             views = all_gather_objects((host_name(), self.args.process_index,
                                         os.path.basename(found) if found else None))
             by_name: Dict[Optional[str], list] = {}
@@ -187,7 +186,7 @@ class ZeroTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[torch.nn.Module] = None) -> None:
         """A ZeroTrainer checkpoint's shards restore every weight after sharding: its consolidated weights (on the
         main process's host only) are not read. Other checkpoints load as the Trainer loads them."""
-        if os.path.isfile(os.path.join(resume_from_checkpoint, SHARDS_DIR, "manifest.json")):
+        if is_checkpoint(resolve_checkpoint(Path(resume_from_checkpoint, SHARDS_DIR))):
             return None
         with no_code_from_files(_TRUST_OPT_IN, getattr(self, "_trust_pickles", False)):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -195,14 +194,16 @@ class ZeroTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None:
             return
-        shards = os.path.join(checkpoint, SHARDS_DIR)
-        if not os.path.isdir(shards):
+        shards = resolve_checkpoint(Path(checkpoint, SHARDS_DIR))
+        if not shards.is_dir():
             raise FileNotFoundError(f"{checkpoint} has no {SHARDS_DIR}/ folder: it was not written by ZeroTrainer, "
                                     f"so there is no optimizer state to resume from")
-        load_checkpoint(self.zero_engine, shards)
+        # all or nothing: the shards are read and checked on every rank before the scheduler or the engine changes
+        _, staged = stage_checkpoint(self.zero_engine, shards)
         path = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None:  # an error on any rank raises on every rank (the others would wait)
             self._read_files(f"loading {path}", self._load_scheduler, path)
+        self.zero_engine.load_shard_state(staged)
 
     def _load_scheduler(self, path: str) -> None:
         if os.path.isfile(path):
@@ -212,6 +213,26 @@ class ZeroTrainerMixin:
         """The best checkpoint's master weights come back from its shards (the model is sharded by now)."""
         best = self.state.best_model_checkpoint
         load_checkpoint(self.zero_engine, os.path.join(best, SHARDS_DIR))
+
+
+def _last_complete_checkpoint(output_dir: str) -> Optional[str]:
+    """The newest `checkpoint-N` that a save finished: its trainer_state.json (the Trainer writes it last) and its
+    shards (a previous copy that a killed save moved aside counts) are there. Newer, incomplete ones (a save that was
+    killed) are skipped with a warning; they are left on disk (the Trainer's rotation removes them)."""
+    if not os.path.isdir(output_dir):
+        return None
+    steps = sorted((int(m.group(1)), name) for name in os.listdir(output_dir)
+                   for m in [re.fullmatch(r"checkpoint-(\d+)", name)] if m and os.path.isdir(Path(output_dir, name)))
+    skipped = []
+    for _, name in reversed(steps):
+        folder = Path(output_dir, name)
+        if (folder / TRAINER_STATE_NAME).is_file() and is_checkpoint(resolve_checkpoint(folder / SHARDS_DIR)):
+            if skipped:
+                logger.warning("hf_zero: resuming from %s; skipped %s (a save that did not finish)", folder,
+                               ", ".join(skipped))
+            return str(folder)
+        skipped.append(name)
+    return None
 
 
 class ZeroTrainer(ZeroTrainerMixin, Trainer):
