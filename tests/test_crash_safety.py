@@ -9,6 +9,8 @@ clean the crashed save's leftovers, and the next successful save of the same pat
 """
 from __future__ import annotations
 
+import json
+
 import os
 import signal
 import subprocess
@@ -117,3 +119,55 @@ def test_kill_during_save_leaves_a_checkpoint_to_resume(tmp_path, world, pause):
     again = _fresh_engine()
     assert load_checkpoint(again, ckpt)["step"] == 5
     _assert_equal(again.full_state_dict(), first)  # the engine held the step-1 weights when it saved
+
+
+# ------------------------------------------------------------------------------------------ the Trainer
+def _trainer_cmd(out: Path, *args: str):
+    from test_accelerate import SCRIPTS, _free_port
+
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(_free_port()), os.path.join(SCRIPTS, "trainer_train.py"),
+            "--backend", "zero", "--stage", "2", "--out", str(out), *args]
+
+
+@pytest.mark.slow
+def test_trainer_resumes_from_the_newest_complete_checkpoint(tmp_path):
+    """ZeroTrainer killed while saving checkpoint-4 (rank 0 about to rename its shards in, observed by a file):
+    `resume_from_checkpoint=True` skips that checkpoint-4 and resumes from checkpoint-2; steps 3-4 and the final
+    weights equal the uninterrupted run's."""
+    from test_accelerate import _env, assert_same_weights
+
+    ref = tmp_path / "ref"
+    res = subprocess.run(_trainer_cmd(ref), env=_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(tmp_path / "killed.log", "w") as log:
+        run = subprocess.Popen(_trainer_cmd(out, "--pause-in-save", "4"), env=_env(), stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not ((out / "paused").is_file() and (out / "paused").read_text().strip()):
+                assert run.poll() is None, "the run ended before its save of checkpoint-4 paused:\n" + \
+                    (tmp_path / "killed.log").read_text()[-4000:]
+                assert time.monotonic() < deadline, "the save of checkpoint-4 never paused"
+                try:
+                    run.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            os.killpg(run.pid, signal.SIGKILL)  # the launcher and both ranks
+            run.wait()
+    assert (out / "checkpoint-2" / "trainer_state.json").is_file()
+    assert not (out / "checkpoint-4" / "trainer_state.json").exists(), "checkpoint-4 was finished before the kill"
+
+    res = subprocess.run(_trainer_cmd(out, "--resume", "true"), env=_env(), capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "resuming from" in res.stderr and "checkpoint-2" in res.stderr and "skipped checkpoint-4" in res.stderr
+    full = json.load(open(ref / "log.json"))["losses"]
+    after = json.load(open(out / "log.json"))["losses"]
+    torch.testing.assert_close(torch.tensor(after[-2:]), torch.tensor(full[-2:]), rtol=1e-5, atol=1e-6)
+    assert_same_weights(out / "final" / "model.safetensors", ref / "final" / "model.safetensors", rtol=1e-6)

@@ -14,7 +14,10 @@ p.add_argument("--backend", choices=["ddp", "zero"], required=True)
 p.add_argument("--stage", type=int, default=2)
 p.add_argument("--out", required=True)
 p.add_argument("--max-steps", type=int, default=4)
-p.add_argument("--resume", default=None)
+p.add_argument("--resume", default=None, help="a checkpoint folder, or 'true': the newest complete one in --out")
+p.add_argument("--pause-in-save", type=int, default=None,
+               help="rank 0 writes OUT/paused and blocks (until the test kills the run) when the save of "
+                    "checkpoint-N is about to rename its shards into place")
 p.add_argument("--push", default=None, help="hub_model_id: push_to_hub() at the end")
 p.add_argument("--from-folder", default=None, help="load the model from this save_pretrained folder: the stock "
                "from_pretrained (ddp) or hf_zero.from_pretrained, read into shards (zero)")
@@ -45,7 +48,20 @@ if args.backend == "zero":
     trainer = ZeroTrainer(model=model, args=targs, train_dataset=ds, zero_plugin=ZeroPlugin(stage=args.stage))
 else:
     trainer = Trainer(model=model, args=targs, train_dataset=ds)
-trainer.train(resume_from_checkpoint=args.resume)
+if args.pause_in_save is not None and int(os.environ.get("RANK", "0")) == 0:
+    import threading
+
+    real_replace = os.replace
+
+    def replace(src, dst, *a, **kw):
+        if os.path.basename(os.path.dirname(str(dst))) == f"checkpoint-{args.pause_in_save}":
+            with open(os.path.join(args.out, "paused"), "w") as f:
+                f.write(str(os.getpid()))
+            threading.Event().wait()  # until killed
+        return real_replace(src, dst, *a, **kw)
+
+    os.replace = replace
+trainer.train(resume_from_checkpoint=True if args.resume == "true" else args.resume)
 trainer.save_model(os.path.join(args.out, "final"))
 if args.push:
     trainer.args.hub_model_id = args.push
