@@ -11,6 +11,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from safetensors import safe_open
 
+from ..engine.weights import TensorEntry, read_safetensors_header
+
 # 3: files named by partition, one writer per (disk, partition), buffers.safetensors, save_id, writers, disks
 # 2: persistent buffers in rank 0's file, the model's state-dict layout, file sizes
 FORMAT_VERSION = 3
@@ -21,6 +23,51 @@ BUFFER_PREFIX = "buffer."  # format 2: the buffers' keys in rank 0's file
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, damaged, or does not belong to this model; the message says which."""
+
+
+# the manifest's fields keyed by file name (besides "buffers_file", which is one)
+FILE_NAME_FIELDS = ("files", "file_bytes", "file_copies_sha256", "writers")
+
+
+def _name_problem(name: Any) -> Optional[str]:
+    """Why `name` is not a plain file name inside a folder, or None if it is one."""
+    if not isinstance(name, str):
+        return f"a {type(name).__name__}, not a file name"
+    if name in ("", ".", ".."):
+        return "not a file name"
+    if "/" in name or "\\" in name:
+        return "a path, not a file name"
+    if "\0" in name:
+        return "a name with a NUL character"
+    return None
+
+
+def check_file_names(manifest: Dict[str, Any], where: Union[str, os.PathLike]) -> None:
+    """Every file name `manifest` holds (`buffers_file`, the keys of FILE_NAME_FIELDS) must be a plain name inside
+    the checkpoint folder: no path separator, no `..`, not absolute, not empty. A manifest is read before any of
+    its files: one that names a file elsewhere must not get it read. CheckpointError naming the field and the
+    value otherwise; `where` (the manifest's path) starts the message."""
+    names: List[Tuple[str, Any]] = []
+    if "buffers_file" in manifest:
+        names.append(("buffers_file", manifest["buffers_file"]))
+    for field in FILE_NAME_FIELDS:
+        value = manifest.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{where}: manifest field {field!r} is a {type(value).__name__}, not an object "
+                                  f"keyed by file name: damaged manifest")
+        names.extend((field, name) for name in value)
+    for field, name in names:
+        problem = _name_problem(name)
+        if problem is not None:
+            raise CheckpointError(f"{where}: manifest field {field!r} names {name!r}, {problem}: a checkpoint's "
+                                  f"files are plain names inside its folder (a damaged or hostile manifest); "
+                                  f"refusing to read it")
+    for field in ("world_size", "partitions"):  # the rank files' names are built from these
+        if field in manifest and not (type(manifest[field]) is int and manifest[field] >= 1):
+            raise CheckpointError(f"{where}: manifest field {field!r} is {manifest[field]!r:.40}, not a positive "
+                                  f"integer: damaged manifest")
 
 
 def rank_file(partition: int, partitions: int) -> str:
@@ -38,32 +85,18 @@ def sha256(path: Path) -> str:
 _PICKLE_MAGIC = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # torch.save zip, pickle
 
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
-
-
 class _RankFile:
-    """Reads ranges of a (validated) safetensors file with plain reads into fresh tensors.
+    """Reads ranges of a safetensors file with plain reads into fresh tensors.
 
     safe_open().get_slice() returns memory backed by the file mapping, so every page read stays in the process's
     RSS while the tensor lives (and the handle is open); plain reads keep host memory to the tensors asked for,
-    which the bounded-memory export relies on. The format is an 8-byte little-endian header length, a JSON header
-    {name: {dtype, shape, data_offsets}} and the data."""
+    which the bounded-memory export relies on. The header is checked as the pretrained-weights reader checks it
+    (engine/weights.py: offsets inside the file, sizes that match shape and dtype, no overlaps), so a damaged
+    file is a CheckpointError naming the file and the tensor, never values read from elsewhere."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        self.base = 8 + n
-        self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
-        for k, v in self.entries.items():
-            begin, end = v["data_offsets"]
-            if v["dtype"] not in _ST_DTYPES or not 0 <= begin <= end <= size - self.base:
-                raise CheckpointError(f"{path}: tensor {k} ({v['dtype']}, bytes {begin}..{end}) lies outside the file "
-                                      f"or has an unsupported dtype: damaged checkpoint")
+        self.entries: Dict[str, TensorEntry] = read_safetensors_header(path, CheckpointError)
 
     def keys(self) -> List[str]:
         return list(self.entries)
@@ -71,26 +104,20 @@ class _RankFile:
     def read(self, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of the flattened tensor `key`."""
         e = self.entries[key]
-        dtype = _ST_DTYPES[e["dtype"]]
-        item = torch.empty((), dtype=dtype).element_size()
-        begin, end = e["data_offsets"]
-        if not 0 <= lo <= hi <= (end - begin) // item:
-            raise CheckpointError(f"{self.path}: elements {lo}..{hi} of {key} requested, it has {(end - begin) // item}")
-        out = torch.empty(hi - lo, dtype=dtype)
+        if not 0 <= lo <= hi <= e.numel:
+            raise CheckpointError(f"{self.path}: elements {lo}..{hi} of {key} requested, it has {e.numel}")
+        out = torch.empty(hi - lo, dtype=e.dtype)
         if hi > lo:
             view = memoryview(out.view(torch.uint8).numpy())
             with open(self.path, "rb") as f:
-                f.seek(self.base + begin + lo * item)
+                f.seek(e.begin + lo * e.dtype.itemsize)
                 if f.readinto(view) != view.nbytes:
                     raise CheckpointError(f"{self.path}: short read of {key}: the file is truncated")
         return out
 
     def tensor(self, key: str) -> torch.Tensor:
         e = self.entries[key]
-        numel = 1
-        for d in e["shape"]:
-            numel *= d
-        return self.read(key, 0, numel).view(e["shape"])
+        return self.read(key, 0, e.numel).view(e.shape)
 
 
 class CheckpointSource:
@@ -106,6 +133,7 @@ class CheckpointSource:
         self.dirs = [Path(directories)] if isinstance(directories, (str, os.PathLike)) else \
             [Path(d) for d in directories]
         self.dir = self.dirs[0]
+        check_file_names(manifest, self.dir / MANIFEST)  # read_manifest did; a manifest from elsewhere too
         self.m, self.verify, self.reader = manifest, verify, reader
         self.version = manifest.get("format_version", 1)
         self.world = manifest["world_size"]
@@ -126,8 +154,18 @@ class CheckpointSource:
         return self.m.get("buffers_file", BUFFERS_FILE) if self.version >= 3 else rank_file(0, self.partitions)
 
     def locate(self, fname: str) -> Optional[Path]:
-        """The first folder's copy of `fname`, None if no folder has it."""
-        return next((d / fname for d in self.dirs if (d / fname).is_file()), None)
+        """The first folder's copy of `fname`, None if no folder has it. A symlink that leads out of its folder is
+        a CheckpointError: the checkpoint's files are the ones in it (the manifest only names them)."""
+        for d in self.dirs:
+            path = d / fname
+            if path.is_file():
+                real, folder = path.resolve(), d.resolve()
+                if not real.is_relative_to(folder):
+                    raise CheckpointError(f"{path} is a symlink to {real}, outside the checkpoint folder {folder}: "
+                                          f"refusing to read it (copy the file into the folder if it is meant to "
+                                          f"be there)")
+                return path
+        return None
 
     def open_file(self, fname: str) -> "_RankFile":
         """The checked file, opened once."""
@@ -266,13 +304,14 @@ def read_manifest(directory: os.PathLike) -> Dict[str, Any]:
         raise CheckpointError(f"{directory} is not an hf_zero checkpoint: {MANIFEST} is missing")
     try:
         manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested deeper than the parser goes
+        raise CheckpointError(f"{path} is not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != "hf_zero-sharded" \
             or manifest.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r} "
                               f"v{manifest.get('format_version')}" if isinstance(manifest, dict) else
                               f"{path}: not an hf_zero manifest")
+    check_file_names(manifest, path)
     return manifest
 
 

@@ -7,6 +7,11 @@ Python objects, so the optimizer built on them and tied weights stay intact) for
 points into. Keys the files lack are initialised the way `from_pretrained` does (the model's `_init_weights` on
 a host copy of the owning module, seeded by the parameter's name, so every rank draws the same values) and
 reported once; unexpected keys, shapes that differ and a config of another architecture are errors.
+
+A failed load must leave the model as it was (its parameters on meta, its buffers), so that the ranks, which all
+raise the error together, can load it again: `check` finds what can fail short of reading (each file's header,
+shapes, the initial values of missing keys) before any parameter changes, and `undo` swaps back whatever was
+materialised when a read fails later, on this rank or another.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import torch
 from torch import nn
 
 from .planning import GroupPlan, ShardPlan, Slot
-from .weights import PretrainedWeights, WeightSource, WeightsError, meta_copy
+from .weights import PretrainedWeights, TensorEntry, WeightSource, WeightsError, meta_copy
 
 logger = logging.getLogger("hf_zero")
 
@@ -80,6 +85,8 @@ class ShardLoader:
                                f"{next(iter(self.key_of))!r}): these weights come from another model")
         self.missing = sorted(name for name, key in self.key_of.items() if key is None)
         self._initialised: Dict[str, torch.Tensor] = {}
+        self._swapped: List[Tuple[nn.Parameter, nn.Parameter]] = []  # (parameter, its meta original)
+        self._replaced_buffers: List[Tuple[nn.Module, str, torch.Tensor]] = []  # (module, name, the buffer before)
 
     def _key(self, name: str) -> str:
         """A model name as the files spell it (without the wrapper's prefix and renames)."""
@@ -96,7 +103,9 @@ class ShardLoader:
             buf = module._buffers[bname]
             if name in self.keys:
                 e = self.source.entry(name)
-                module._buffers[bname] = self.source.read(name).view(e.shape).to(buf.dtype)
+                value = self._read(name, e).view(e.shape).to(buf.dtype)
+                self._replaced_buffers.append((module, bname, buf))
+                module._buffers[bname] = value
         for mname, module in self.model.named_modules():
             for bname, buf in module._buffers.items():
                 if buf is not None and buf.device.type == "meta":
@@ -106,6 +115,35 @@ class ShardLoader:
                                        f"computed) or with hf_zero.from_pretrained")
 
     # ---------------------------------------------------------------- parameters
+    def _entry(self, slot: Slot, key: str) -> TensorEntry:
+        """The file's entry for `slot` (its file's header checked whole), of the slot's shape."""
+        e = self.source.entry(key)
+        if tuple(e.shape) != tuple(slot.shape):
+            raise WeightsError(f"{key}: shape {tuple(e.shape)} in {e.file.name} but {tuple(slot.shape)} in the "
+                               f"model: these weights come from another configuration of it")
+        return e
+
+    def _read(self, key: str, e: TensorEntry, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """source.read, with any failure (an I/O fault, memory) a WeightsError naming the file and the tensor."""
+        try:
+            return self.source.read(key, start, end)
+        except WeightsError:
+            raise
+        except Exception as exc:
+            raise WeightsError(f"{e.file}: reading tensor {key!r} failed: {type(exc).__name__}: {exc}") from exc
+
+    def check(self, group: GroupPlan, lo: int, hi: int) -> None:
+        """What can fail about elements [lo, hi) of the group short of reading them: each file's header, each
+        tensor's shape, the initial values of keys the files lack (kept for `values`). Changes no parameter."""
+        for s in group.slots:
+            if max(lo, s.offset) >= min(hi, s.offset + s.numel):
+                continue
+            key = self.key_of[s.name]
+            if key is None:
+                self._initial(s)
+            else:
+                self._entry(s, key)
+
     def values(self, group: GroupPlan, dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of the group's flat buffer (zeros in the padding), in `dtype`."""
         out = torch.zeros(hi - lo, dtype=dtype)
@@ -117,11 +155,8 @@ class ShardLoader:
             if key is None:
                 out[a - lo:b - lo].copy_(self._initial(s)[a - s.offset:b - s.offset])
                 continue
-            e = self.source.entry(key)
-            if tuple(e.shape) != tuple(s.shape):
-                raise WeightsError(f"{key}: shape {tuple(e.shape)} in {e.file.name} but {tuple(s.shape)} in the "
-                                   f"model: these weights come from another configuration of it")
-            out[a - lo:b - lo].copy_(self.source.read(key, a - s.offset, b - s.offset))
+            e = self._entry(s, key)
+            out[a - lo:b - lo].copy_(self._read(key, e, a - s.offset, b - s.offset))
         return out
 
     def _initial(self, slot: Slot) -> torch.Tensor:
@@ -148,13 +183,31 @@ class ShardLoader:
             self._initialised[slot.name] = getattr(host, pname).detach().reshape(-1).clone()
         return self._initialised[slot.name]
 
-    @staticmethod
-    def materialise(params: List[nn.Parameter], dtype: torch.dtype, device: torch.device) -> None:
+    def materialise(self, params: List[nn.Parameter], dtype: torch.dtype, device: torch.device) -> None:
         """Swap each meta parameter's contents for an empty real tensor (same object, same requires_grad)."""
         for p in params:
             if p.device.type == "meta":
-                torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
-                                                         requires_grad=p.requires_grad))
+                real = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=p.requires_grad)
+                torch.utils.swap_tensors(p, real)
+                self._swapped.append((p, real))  # `real` now holds the meta original (class, attributes)
+
+    def undo(self) -> List[str]:
+        """After a failed load (on any rank): the parameters materialised so far back on meta, as they were
+        (class and attributes included), and the buffers replaced from the files back. Returns the names of the
+        parameters that could not be swapped back (a reference to them held elsewhere)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        stuck = []
+        for p, original in reversed(self._swapped):
+            try:
+                torch.utils.swap_tensors(p, original)
+            except RuntimeError:
+                stuck.append(names.get(id(p), "?"))
+        self._swapped.clear()
+        for module, bname, buf in reversed(self._replaced_buffers):
+            module._buffers[bname] = buf
+        self._replaced_buffers.clear()
+        self.source.close()
+        return stuck
 
     def finish(self, rank: int) -> None:
         """Report what was initialised and read; the model no longer points at its files (it holds its values)."""

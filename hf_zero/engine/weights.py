@@ -17,7 +17,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -30,8 +30,12 @@ _DTYPES = {
 }
 
 
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
+
+
 class WeightsError(ValueError):
-    """Pretrained weights that do not fit the model (missing file, unexpected key, shape), named in the message."""
+    """Pretrained weights that do not fit the model (missing file, unexpected key, shape) or a damaged file, named
+    in the message."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,101 @@ class TensorEntry:
             n *= d
         return n
 
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+    # json.loads keeps the last of two equal keys: a second entry for a tensor would silently replace the first
+    out: Dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _check_entry(file: Path, key: str, info: Any, base: int, data_bytes: int,
+                 error: Callable[[str], Exception]) -> TensorEntry:
+    """One tensor's header entry, checked as the safetensors format promises it."""
+    where = f"{file}: tensor {key!r:.200}"  # a hostile name may be megabytes long
+    if not isinstance(info, dict):
+        raise error(f"{where}: its header entry is {type(info).__name__} {info!r:.80}, not an object with dtype, "
+                    f"shape and data_offsets: damaged file")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise error(f"{where} has dtype {dtype!r:.40}, which hf_zero cannot read (it reads {', '.join(_DTYPES)})")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise error(f"{where}: shape {shape!r:.80} is not a list of non-negative integers: damaged file")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        raise error(f"{where}: data_offsets {offsets!r:.80} is not two integers: damaged file")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_bytes:
+        raise error(f"{where}: data_offsets [{begin}, {end}] lie outside the data section (bytes 0..{data_bytes} "
+                    f"after the header): the file is truncated or damaged")
+    entry = TensorEntry(file, _DTYPES[dtype], tuple(shape), base + begin)
+    if end - begin != entry.nbytes:
+        raise error(f"{where}: {dtype} {shape!r:.80} takes {entry.nbytes} bytes but its data_offsets [{begin}, {end}] "
+                    f"span {end - begin}: damaged file")
+    return entry
+
+
+def read_safetensors_header(file: Union[str, os.PathLike],
+                            error: Callable[[str], Exception] = WeightsError) -> Dict[str, TensorEntry]:
+    """The tensors of a safetensors file (8-byte little-endian header length, JSON header, data), each checked
+    against what the format promises: the header inside the file and at most MAX_HEADER_BYTES (checked before it
+    is read, so a hostile length costs no memory), a JSON object of tensor entries (and a string-to-string
+    `__metadata__`), known dtypes, shapes of non-negative ints, data offsets inside the data section, spanning
+    exactly what shape and dtype need, and no two tensors sharing bytes. Any failure raises `error(message)`
+    (WeightsError by default) naming the file and, where there is one, the tensor."""
+    file = Path(file)
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise error(f"{file} is not a safetensors file (shorter than its 8-byte header length)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise error(f"{file} is not a safetensors file: its header length {n} runs past the end of the file "
+                        f"({size} bytes)")
+        if n > MAX_HEADER_BYTES:
+            raise error(f"{file}: header length {n} is over the {MAX_HEADER_BYTES} bytes safetensors allows: "
+                        f"damaged or hostile file")
+        text = f.read(n)
+    if len(text) != n:
+        raise error(f"{file} is not a safetensors file: it ends inside its header")
+    try:
+        header = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise error(f"{file}: the key {exc.key!r:.200} appears twice in the header (one entry would hide the other): "
+                    f"damaged file") from None
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested deeper than the parser goes
+        raise error(f"{file} is not a safetensors file (its header is not JSON: {str(exc)[:200]})") from None
+    if not isinstance(header, dict):
+        raise error(f"{file} is not a safetensors file: its header is a JSON {type(header).__name__}, not an "
+                    f"object of tensors")
+    base, data_bytes = 8 + n, size - 8 - n
+    entries: Dict[str, TensorEntry] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise error(f"{file}: '__metadata__' is {info!r:.80}, not an object of strings: damaged file")
+            continue
+        entries[key] = _check_entry(file, key, info, base, data_bytes, error)
+    spans = sorted((e.begin, e.begin + e.nbytes, key) for key, e in entries.items() if e.nbytes)
+    for (b1, e1, k1), (b2, e2, k2) in zip(spans, spans[1:]):  # sorted by start: an overlap shows between neighbours
+        if b2 < e1:
+            raise error(f"{file}: tensors {k1!r:.200} (bytes {b1 - base}..{e1 - base}) and {k2!r:.200} (bytes "
+                        f"{b2 - base}..{e2 - base}) overlap: damaged or hostile file")
+    return entries
+
 
 class WeightSource:
     """The tensors of a safetensors file, or of a folder (single file or sharded with an index).
@@ -62,11 +161,7 @@ class WeightSource:
         if path.is_dir():
             index = path / INDEX
             if index.is_file():
-                try:
-                    weight_map = json.loads(index.read_text())["weight_map"]
-                except (ValueError, KeyError) as exc:
-                    raise WeightsError(f"{index} is not a safetensors index (no weight_map): {exc}") from None
-                self._file_of = {k: path / f for k, f in weight_map.items()}
+                self._file_of = self._read_index(index)
             elif (path / SINGLE).is_file():
                 self._file_of = None
                 self._single = path / SINGLE
@@ -83,6 +178,27 @@ class WeightSource:
         self.files_opened: Set[Path] = set()
 
     # ---------------------------------------------------------------- index
+    @staticmethod
+    def _read_index(index: Path) -> Dict[str, Path]:
+        """{key: file} of an index; every file a relative path inside the index's folder (no absolute path, no
+        `..`), so a hostile index cannot point the reads elsewhere. Symlinks are followed (the Hub's cache
+        links each file to a blob outside the snapshot folder)."""
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise WeightsError(f"{index} is not a safetensors index (no weight_map): {str(exc)[:200]}") from None
+        if not isinstance(weight_map, dict):
+            raise WeightsError(f"{index}: weight_map is a JSON {type(weight_map).__name__}, not an object of "
+                               f"tensor names to file names")
+        out = {}
+        for key, name in weight_map.items():
+            parts = Path(name).parts if isinstance(name, str) and "\0" not in name else None
+            if not parts or Path(name).is_absolute() or ".." in parts or "\\" in name:
+                raise WeightsError(f"{index}: weight_map places tensor {key!r:.200} in {name!r:.200}, which is not a file "
+                                   f"name inside {index.parent}: damaged or hostile index")
+            out[key] = index.parent / name
+        return out
+
     def keys(self) -> List[str]:
         if self._file_of is not None:
             return list(self._file_of)
@@ -103,25 +219,7 @@ class WeightSource:
             if not file.is_file():
                 raise FileNotFoundError(f"{file} is missing: {INDEX} in {self.path} lists it; copy the whole "
                                         f"folder save_pretrained wrote")
-            with open(file, "rb") as f:
-                raw = f.read(8)
-                if len(raw) != 8:
-                    raise WeightsError(f"{file} is not a safetensors file (shorter than its header)")
-                (n,) = struct.unpack("<Q", raw)
-                try:
-                    header = json.loads(f.read(n))
-                except ValueError:
-                    raise WeightsError(f"{file} is not a safetensors file (its header is not JSON)") from None
-            base = 8 + n
-            entries = {}
-            for key, info in header.items():
-                if key == "__metadata__":
-                    continue
-                if info["dtype"] not in _DTYPES:
-                    raise WeightsError(f"{file}: tensor {key!r} has dtype {info['dtype']}, which hf_zero cannot read")
-                entries[key] = TensorEntry(file, _DTYPES[info["dtype"]], tuple(info["shape"]),
-                                           base + int(info["data_offsets"][0]))
-            self._headers[file] = entries
+            self._headers[file] = read_safetensors_header(file)
         return self._headers[file]
 
     # ---------------------------------------------------------------- data
@@ -131,7 +229,7 @@ class WeightSource:
         end = e.numel if end is None else end
         if not 0 <= start <= end <= e.numel:
             raise ValueError(f"{key}: range [{start}, {end}) outside its {e.numel} elements")
-        size = torch.empty((), dtype=e.dtype).element_size()
+        size = e.dtype.itemsize
         out = torch.empty(end - start, dtype=e.dtype)
         if end == start:
             return out
