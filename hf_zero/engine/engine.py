@@ -135,23 +135,27 @@ class ZeroEngine:
             self.comm.broadcast(buf.data if buf.is_floating_point() or buf.numel() else buf, tag=f"buffer {name}")
 
     def _load(self, found) -> List[FlatGroup]:
-        """The weights files, read straight into this rank's shards (engine/loading.py); a failure on any rank is
-        raised on every rank."""
+        """The weights files, read straight into this rank's shards (engine/loading.py). A failure on any rank,
+        whatever it is, is raised on every rank as the same WeightsError, and every rank puts the model back as
+        it was (parameters on meta, its buffers), so that it can be loaded again."""
         record, prefix = found
-        error, groups = None, []
+        error, cause, groups, loader = None, None, [], None
         try:
             loader = ShardLoader(self.model, self.plan, record, prefix)
             loader.load_buffers()
-        except (WeightsError, OSError) as exc:
-            error, loader = f"{type(exc).__name__}: {exc}", None
-        if loader is not None:
-            try:
-                groups = self._build_groups(loader)
-            except (WeightsError, OSError) as exc:
-                error = f"{type(exc).__name__}: {exc}"
+            groups = self._build_groups(loader)
+        except Exception as exc:  # any: a rank that escaped before the agreement would leave the others waiting
+            import traceback
+
+            error, cause = f"{type(exc).__name__}: {exc}", exc
+            traceback.clear_frames(exc.__traceback__)  # the traceback stays; the flat buffers in its frames go
         failed = self.comm.agree(error, "weights loaded")
         if failed is not None:
-            raise WeightsError(f"hf_zero: loading {record.path} failed on {failed}")
+            groups = []  # the flat buffers go before the parameters are swapped back
+            stuck = loader.undo() if loader is not None else []
+            left = (f"; {len(stuck)} parameter(s) stayed loaded (e.g. {stuck[:3]}): build the model again"
+                    if stuck else "")
+            raise WeightsError(f"hf_zero: loading {record.path} failed on {failed}{left}") from cause
         self._move_buffers()
         loader.finish(self.comm.rank)
         return groups
@@ -162,13 +166,16 @@ class ZeroEngine:
         master_device = torch.device("cpu") if cfg.offload_optimizer == "cpu" else self.device
         shard_device = torch.device("cpu") if cfg.offload_params == "cpu" else self.device
         groups = []
-        for gp in self.plan.groups:
+        ranges = [gp.owned_range(rank) if cfg.stage == 3 else (0, gp.padded_numel) for gp in self.plan.groups]
+        if loader is not None:  # headers, shapes, missing keys: what can fail short of reading, before any swap
+            for gp, (lo, hi) in zip(self.plan.groups, ranges):
+                loader.check(gp, lo, hi)
+        for gp, (lo, hi) in zip(self.plan.groups, ranges):
             members = [params[s.name] for s in gp.slots]
             # Values in the master dtype for trainable groups (fp32 under mixed precision: the master starts from
             # the un-rounded weights), in the compute dtype for frozen ones.
             master_dtype = (torch.float32 if cfg.compute_dtype is not None else gp.dtype) if gp.trainable else None
             value_dtype = master_dtype or gp.dtype
-            lo, hi = gp.owned_range(rank) if cfg.stage == 3 else (0, gp.padded_numel)
             if loader is not None:  # from the files: the owned range only at stage 3, one group at a time
                 full = loader.values(gp, value_dtype, lo, hi).to(self.device)
                 loader.materialise(members, gp.dtype, self.device)
