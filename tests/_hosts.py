@@ -33,14 +33,17 @@ API (`TwoHosts`):
 - `free_port(i)`: a TCP port the OS hands out inside host i's namespace (binds port 0 there).
 - `wrap(i, cmd)`: the argv that runs `cmd` on host i (for callers that manage the process themselves).
 - `run(cmds, env=None, timeout=300, peer_grace=30)`: starts both hosts' commands at once, each in its own process
-  group, and returns `[HostRun, HostRun]` (returncode, stdout, stderr, seconds). Bounded: once one host's command
-  has exited, the other gets `peer_grace` seconds more (a launcher whose peer died must not sit out torchrun's
-  300 s exit barrier); past that, or past `timeout` in all, every process of both hosts is killed and
-  `HostsTimeout` is raised, its message holding both hosts' output. `env`: extra variables for both hosts (a
-  dict) or per host (a list of two dicts).
+  group, and returns `[HostRun, HostRun]` (returncode, stdout, stderr, seconds; `describe()` gives all of it).
+  Bounded: once one host's command has exited, the other gets `peer_grace` seconds more (a launcher whose peer
+  died must not sit out torchrun's 300 s exit barrier); past that, or past `timeout` in all, every process of both
+  hosts is killed and `HostsTimeout` is raised, its message holding both hosts' output. `env`: extra variables for
+  both hosts (a dict) or per host (a list of two dicts).
 - `close()` (also on leaving the `with` block, and at interpreter exit as a fallback): kills whatever still runs
   in the namespaces, deletes both namespaces (and with them the veth pair) and the folders. Idempotent. A harness
   killed before its teardown (SIGKILL) leaves them behind; the next `TwoHosts()` deletes those whose pid is gone.
+
+`worker_logs(log_dir)` reads each rank's own output files of a launch with `--tee 3 --log_dir` (per local rank,
+whole), for assertions about what one rank printed.
 
 `TwoHosts()` raises `HostsUnavailable` (with the reason) where namespaces cannot be made: not root, no `ip` or
 `unshare`, `ip netns add` or the veth refused. `run_local(cmd, env, timeout)` runs one command on the machine
@@ -103,12 +106,31 @@ class HostRun:
     def output(self) -> str:
         return self.stdout + self.stderr
 
-    def describe(self, tail: int = 6000) -> str:
+    def describe(self) -> str:
+        """How the command ended and everything it printed (whole: a failure's cause can be anywhere in it)."""
         how = f"killed by the harness ({self.killed})" if self.killed else f"exit code {self.returncode}"
         if self.leftover:
             how += f"; processes {self.leftover} were still running after it and were killed"
-        return (f"===== {self.name}: {how} after {self.seconds:.1f} s\n--- stdout (tail)\n{self.stdout[-tail:]}\n"
-                f"--- stderr (tail)\n{self.stderr[-tail:]}")
+        return (f"===== {self.name}: {how} after {self.seconds:.1f} s\n--- stdout\n{self.stdout}\n"
+                f"--- stderr\n{self.stderr}")
+
+
+def worker_logs(log_dir: str) -> Dict[int, Dict[str, str]]:
+    """Each local rank's whole stdout and stderr from a launch with `--tee 3 --log_dir LOG_DIR` (torchrun; `accelerate
+    launch` passes both on): {local rank: {"stdout": ..., "stderr": ...}}, read from the files torchrun's workers
+    write themselves (`LOG_DIR/<run id>/attempt_<n>/<local rank>/std{out,err}.log`), so a rank's lines are neither
+    interleaved with another rank's nor limited to what the launcher's console copy caught. `log_dir` as seen from
+    the test process (`hosts.disk_of(i)/...`). Empty when no launch wrote there."""
+    out: Dict[int, Dict[str, str]] = {}
+    for path in sorted(glob.glob(os.path.join(log_dir, "*", "attempt_*", "*", "std*.log"))):
+        rank_dir, name = os.path.split(path)
+        local_rank = os.path.basename(rank_dir)
+        if not local_rank.isdigit() or name not in ("stdout.log", "stderr.log"):
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            out.setdefault(int(local_rank), {}).setdefault(name[:-4], "")
+            out[int(local_rank)][name[:-4]] += f.read()
+    return out
 
 
 def _sh(*argv: str, timeout: float = SETUP_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:

@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_file
 
 import test_export as ex
-from _hosts import ROOT, HostsUnavailable, TwoHosts, base_env, run_local
+from _hosts import ROOT, HostsUnavailable, TwoHosts, base_env, run_local, worker_logs
 from test_multihost import (PEER_GRACE_S, RUN_TIMEOUT_S, SCRIPT as TRAIN_SCRIPT, accelerate_on_two_hosts,
                             assert_clean_exit, assert_ranks_on, load_results)
 
@@ -208,7 +208,9 @@ def test_missing_rank_file_on_host_b_fails_every_rank_fast(hosts, accel_full):
         shutil.copytree(os.path.join(hosts.disk_of(i), state), os.path.join(hosts.disk_of(i), copy))
     os.remove(os.path.join(hosts.disk_of(1), copy, "zero_shards", lost))
     folder = os.path.join(hosts.disk, copy, "zero_shards")
-    runs = hosts.run(accelerate_on_two_hosts(hosts, [SCRIPT, "--api", "accelerate", "--out",
+    logs = "acc-missing-logs"  # every rank's own stdout/stderr files, on its host's disk (worker_logs)
+    runs = hosts.run(accelerate_on_two_hosts(hosts, ["--tee", "3", "--log_dir", os.path.join(hosts.disk, logs),
+                                                     SCRIPT, "--api", "accelerate", "--out",
                                                      os.path.join(hosts.disk, "acc-missing-out"), "--resume",
                                                      os.path.join(hosts.disk, copy)]),
                      timeout=FAIL_TIMEOUT_S, peer_grace=PEER_GRACE_S)
@@ -220,14 +222,15 @@ def test_missing_rank_file_on_host_b_fails_every_rank_fast(hosts, accel_full):
         assert r.seconds < 60, f"{r.name} took {r.seconds:.0f} s to fail\n{described}"
         assert "MULTIHOST_CKPT finished" not in r.output
     host_b = hosts.hostname(1)
+    per_host = [worker_logs(os.path.join(hosts.disk_of(i), logs)) for i in range(2)]
+    for i in range(2):
+        assert sorted(per_host[i]) == list(range(PER_HOST)), f"host {i}: ranks' log files {sorted(per_host[i])}"
     for rank in range(WORLD):
-        mine = runs[rank // PER_HOST]
-        other = runs[1 - rank // PER_HOST]
-        lines = [line for line in mine.stderr.splitlines() if line.startswith(f"MULTIHOST_CKPT error rank={rank} ")]
-        assert len(lines) == 1, f"rank {rank}: no error line in {mine.name}'s output\n{described}"
-        assert not [line for line in other.stderr.splitlines()
-                    if line.startswith(f"MULTIHOST_CKPT error rank={rank} ")], (rank, other.name)
-        line = lines[0]
+        stderr = per_host[rank // PER_HOST][rank % PER_HOST].get("stderr", "")
+        # the whole of this rank's own stderr: its error line once, and no other rank's
+        mine = re.findall(r"^MULTIHOST_CKPT error rank=(\d+) .*$", stderr, re.M)
+        assert mine == [str(rank)], f"rank {rank}: error lines of ranks {mine} in its stderr:\n{stderr}"
+        line = re.search(r"^MULTIHOST_CKPT error rank=.*$", stderr, re.M).group(0)
         m = re.match(r"MULTIHOST_CKPT error rank=\d+ host=(\S+) after ([\d.]+) s in load_state: CheckpointError: ",
                      line)
         assert m, line

@@ -178,7 +178,8 @@ def trainer_worker(out: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     g = torch.Generator().manual_seed(1)
     rows = 2 * 2 * world  # two optimizer steps per epoch
-    ds = Dataset.from_dict({"x": torch.randn(rows, 4, generator=g).tolist(), "labels": torch.randn(rows, generator=g).tolist()})
+    ds = Dataset.from_dict({"x": torch.randn(rows, 4, generator=g).tolist(),
+                            "labels": torch.randn(rows, generator=g).tolist()})
 
     def trainer(folder):
         args = TrainingArguments(output_dir=folder, max_steps=4, per_device_train_batch_size=2, learning_rate=1e-2,
@@ -267,7 +268,8 @@ def assert_refused(results, name, file_name, world):
 
 def test_no_code_from_files_guards_every_torch_load(tmp_path):
     """In process: the guard refuses a payload whatever the caller asked for (Accelerate's load_custom_state calls
-    its `load` with weights_only=False), in torch's zip format and as a bare pickle; RNG states load; trust=True unpickles."""
+    its `load` with weights_only=False), in torch's zip format and as a bare pickle; RNG states load; trust=True
+    unpickles."""
     import pickle
     import random
 

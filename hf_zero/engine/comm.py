@@ -17,6 +17,7 @@ moved are the paper's Ψ and nothing is copied. The ledger books the logical col
 """
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Set, Union
@@ -122,6 +123,8 @@ class Comm:
         self._prefix = f"hfz/{Comm._instances}/{'-'.join(map(str, self._global_ranks))}"
         self.ledger = ledger if ledger is not None else Ledger()
         self.spans_hosts = False
+        if group is not None:
+            _groups_seen.add(group)
 
     def global_rank(self, rank: int) -> int:
         """The global rank of this group's `rank` (what torch.distributed's `src`/`dst` arguments take)."""
@@ -254,6 +257,15 @@ class Comm:
         self._check("broadcast", tag, tensor.numel())
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         dist.broadcast(tensor, global_src, group=self.group)
+
+
+_groups_seen: "weakref.WeakSet[dist.ProcessGroup]" = weakref.WeakSet()
+
+
+def groups_seen() -> List[dist.ProcessGroup]:
+    """The process groups (other than the default one) that Comm objects were made for and that are still alive:
+    engine/exit.py frees them before the interpreter finalizes."""
+    return list(_groups_seen)
 
 
 def _unit_of(description: str) -> Optional[str]:

@@ -85,10 +85,10 @@ class ZeroEngine:
         self.optimizer = ZeroOptimizer(optimizer, self.groups, self.reducer, self.partition_comm, config, self.device,
                                        world=self.comm)
         self.comm.reset_stats()  # the start-up broadcast is not training traffic
-        # A collective still in flight when the interpreter exits aborts the process (gloo's worker thread):
-        # wait for them at exit.
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().wait())
+        # At exit, wait for this engine's collectives in flight, then close and free the process groups before
+        # the interpreter finalizes (gloo's threads abort it otherwise): engine/exit.py.
+        from .exit import close_at_exit
+        close_at_exit(self)
         if self.comm.rank == 0:
             self._log_plan()
 

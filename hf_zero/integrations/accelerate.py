@@ -12,14 +12,12 @@ Accelerate and the Trainer read (RNG, scheduler, sampler, data-loader and custom
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
 import pickle
 import re
 import threading
-import weakref
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -32,6 +30,7 @@ from ..checkpoint import (CheckpointError, export_pretrained, load_checkpoint, p
                           save_checkpoint)
 from ..checkpoint.hosts import raise_if_any_failed, require_on_every_host
 from ..engine import ZeroEngine, ZeroOptimizer, enable_activation_checkpointing, shard_model
+from ..engine.exit import close_at_exit
 from .plugin import ZeroPlugin
 
 logger = logging.getLogger("hf_zero")
@@ -150,8 +149,9 @@ class HfZeroAccelerator(Accelerator):
             raise RuntimeError(f"distributed_type {self.distributed_type} conflicts with hf_zero; use MULTI_GPU/CPU")
         self.zero_config = self.zero_plugin.to_zero_config(mixed_precision)
         # gloo's worker threads abort the process ("terminate called without an active exception") when the
-        # interpreter exits with the process group alive, as scripts and the Trainer leave it: close it at exit.
-        atexit.register(_close_process_group, weakref.ref(self))
+        # interpreter exits with the process group alive, as scripts and the Trainer leave it: close it at exit,
+        # with or without a prepared model (engine/exit.py; each engine is waited for first).
+        close_at_exit()
         self.zero_engines: List[ZeroEngine] = []
         self._pending_model: Optional[nn.Module] = None
         if self.is_main_process:
@@ -446,51 +446,3 @@ class HfZeroAccelerator(Accelerator):
         self.zero_engines.clear()
         self._pending_model = None
         return super().free_memory(*objects)
-
-
-def _close_process_group(ref: "weakref.ref[HfZeroAccelerator]") -> None:
-    accelerator = ref()
-    if accelerator is not None:
-        for engine in accelerator.zero_engines:
-            engine.wait()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    _release_destroyed_groups()
-
-
-def _release_destroyed_groups() -> None:
-    """Free the destroyed process groups now, while the interpreter is intact.
-
-    destroy_process_group() unregisters a group, but its gloo backend and worker threads live until the last
-    reference to it goes. Modules imported after init_process_group hold such references in default arguments
-    `group=dist.group.WORLD` (torch.distributed.nn.functional, which torch._dynamo imports when the first torch.optim
-    optimizer is built; DeepSpeed's comm backend), so the threads would live into interpreter finalization, where one
-    that drops the last reference to a Python tensor must take the GIL and CPython ends it with pthread_exit: std::
-    terminate, "terminate called without an active exception", SIGABRT (pytorch/pytorch#190489). Every group is
-    destroyed when this runs: point those defaults at None (the default group) and collect."""
-    import gc
-    import sys
-    import types
-
-    pg_type = torch.distributed.ProcessGroup
-
-    def scrub(fn: types.FunctionType) -> None:
-        if fn.__defaults__ and any(isinstance(v, pg_type) for v in fn.__defaults__):
-            fn.__defaults__ = tuple(None if isinstance(v, pg_type) else v for v in fn.__defaults__)
-        if fn.__kwdefaults__ and any(isinstance(v, pg_type) for v in fn.__kwdefaults__.values()):
-            fn.__kwdefaults__ = {k: None if isinstance(v, pg_type) else v for k, v in fn.__kwdefaults__.items()}
-
-    for module in list(sys.modules.values()):
-        members = getattr(module, "__dict__", None)
-        if not isinstance(members, dict):
-            continue
-        for obj in list(members.values()):
-            candidates = list(obj.__dict__.values()) if isinstance(obj, type) else [obj]
-            for fn in candidates:
-                if isinstance(fn, (staticmethod, classmethod)):
-                    fn = fn.__func__
-                if isinstance(fn, types.FunctionType):
-                    scrub(fn)
-    gc.collect()
-
-

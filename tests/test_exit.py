@@ -1,0 +1,180 @@
+"""Every entry point ends cleanly (issue 19, item 8): a plain `shard_model` script, under torchrun and under
+torch.multiprocessing.spawn, with or without its own destroy_process_group(), must not abort at exit.
+
+The abort ("terminate called without an active exception", SIGABRT after a correct run) comes from gloo's threads
+living into interpreter finalization (hf_zero/engine/exit.py says why). It is a race, so two kinds of test:
+
+- deterministic: every rank reports the threads it still runs after every other exit hook (tests/scripts/
+  exit_shard_model.py --exit-report, registered first so it runs last); no gloo thread may be among them;
+- the race itself: 20 launches beside a busy CPU, none may lose a process to a signal or print "terminate called".
+
+Neither may print torch.distributed.reduce_op's FutureWarning (the former exit hook walked every module's attributes
+and printed it three times per rank). Output is checked whole, never a tail.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SCRIPT = os.path.join(HERE, "scripts", "exit_shard_model.py")
+LAUNCH_TIMEOUT_S = 180
+REPEAT = int(os.environ.get("HF_ZERO_EXIT_REPEAT", "20"))
+# the two reported scripts: torchrun, stage 1, frozen parameters, destroy_process_group() at the end; spawn, stage 3,
+# partitioned activation checkpoints on the CPU, the group left alive
+TORCHRUN_STAGE1 = ("torchrun", ["--stage", "1", "--frozen", "--destroy"])
+SPAWN_STAGE3 = ("spawn", ["--stage", "3", "--checkpointing"])
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HF_ZERO_CONFIG_FILE"):
+        env.pop(key, None)
+    return env
+
+
+def launch(launcher: str, args, cwd) -> subprocess.CompletedProcess:
+    """One 2-rank launch of the script; torchrun --standalone takes a port the OS hands out, spawn a FileStore."""
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT, *args]
+    else:
+        cmd = [sys.executable, SCRIPT, "--spawn", "2", *args]
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=str(cwd))
+
+
+def problems(launcher: str, res: subprocess.CompletedProcess) -> list:
+    """What is wrong with how a launch ended, read from its whole output."""
+    found = []
+    if res.returncode != 0:
+        found.append(f"exit code {res.returncode}")
+    if launcher == "spawn":
+        codes = [json.loads(line.split(" ", 1)[1]) for line in res.stdout.splitlines()
+                 if line.startswith("EXIT_CODES ")]
+        if codes != [[0, 0]]:
+            found.append(f"rank exit codes {codes} (negative: ended by that signal)")
+    elif "exitcode" in res.stderr and "Signal" in res.stderr:  # torchrun's failure summary for a signalled worker
+        found.append("a worker ended by a signal")
+    if "terminate called" in res.stderr:
+        found.append("'terminate called' in stderr")
+    if "reduce_op" in res.stderr:
+        found.append("torch.distributed.reduce_op FutureWarning in stderr")
+    if res.stdout.count("EXIT_SCRIPT rank=") != 2:
+        found.append("not every rank finished training")
+    return found
+
+
+@pytest.mark.parametrize("launcher,args", [TORCHRUN_STAGE1, SPAWN_STAGE3,
+                                           ("torchrun", ["--stage", "3", "--checkpointing"]),
+                                           ("spawn", ["--stage", "1", "--frozen", "--destroy"]),
+                                           ("torchrun", ["--api", "accelerate", "--stage", "2"])],
+                         ids=["torchrun-stage1-destroy", "spawn-stage3-ckpt", "torchrun-stage3-ckpt",
+                              "spawn-stage1-destroy", "torchrun-accelerator-stage2"])
+def test_no_gloo_thread_outlives_the_exit_hooks(tmp_path, launcher, args):
+    report = tmp_path / "threads"
+    report.mkdir()
+    res = launch(launcher, [*args, "--exit-report", str(report)], tmp_path)
+    assert not problems(launcher, res), f"{problems(launcher, res)}\n{res.stdout}\n{res.stderr}"
+    left = {}
+    for rank in range(2):
+        names = json.loads((report / f"threads_rank{rank}.json").read_text())
+        gloo = [n for n in names if "gloo" in n]
+        if gloo:
+            left[rank] = gloo
+    assert not left, f"gloo threads still running when the interpreter finalizes: {left}\n{res.stderr}"
+
+
+@pytest.mark.slow
+def test_group_defaults_lists_every_module_that_pins_the_world_group(tmp_path):
+    """After init_process_group, import every module of torch.distributed, and Accelerate, Transformers' Trainer,
+    PEFT, TRL and DeepSpeed where installed: the functions whose defaults then hold a ProcessGroup must all be in
+    exit.GROUP_DEFAULTS, and release_process_groups() must leave none and no gloo thread."""
+    code = textwrap.dedent("""
+        import importlib, json, os, pkgutil, sys, tempfile, types, warnings
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0,
+                                world_size=1)
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # imports torch._dynamo, as a script's optimizer does
+        warnings.simplefilter("ignore")
+        import torch.distributed
+        for info in pkgutil.walk_packages(torch.distributed.__path__, "torch.distributed."):
+            if ".testing" in info.name or "_test" in info.name:
+                continue
+            try:
+                importlib.import_module(info.name)
+            except Exception:
+                pass
+        for name in ("accelerate", "accelerate.accelerator", "accelerate.checkpointing", "transformers.trainer",
+                     "peft", "trl", "deepspeed", "deepspeed.comm", "deepspeed.comm.torch"):
+            try:  # what a training script may import after the group exists (DeepSpeed where it is installed)
+                importlib.import_module(name)
+            except Exception:
+                pass
+        from hf_zero.engine import exit as hz_exit
+
+        def holders():
+            out = set()
+            for name, module in list(sys.modules.items()):
+                members = getattr(module, "__dict__", None)
+                if not isinstance(members, dict):
+                    continue
+                for member in list(members.values()):
+                    fns = list(vars(member).values()) if issubclass(type(member), type) else [member]
+                    for fn in fns:
+                        fn = fn.__func__ if type(fn) in (staticmethod, classmethod) else fn
+                        if type(fn) is types.FunctionType:
+                            values = list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
+                            if any(type(v) is dist.ProcessGroup for v in values):
+                                out.add((fn.__module__, fn.__qualname__))
+            return sorted(out)
+
+        before = holders()
+        dropped = hz_exit.release_process_groups()
+        threads = []
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                threads.append(open(f"/proc/self/task/{tid}/comm").read().strip())
+            except OSError:
+                pass
+        print(json.dumps({"before": before, "after": holders(), "dropped": dropped,
+                          "initialized": dist.is_initialized(),
+                          "gloo_threads": [t for t in threads if "gloo" in t], "listed": list(hz_exit.GROUP_DEFAULTS)}))
+    """)
+    res = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300,
+                         cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["before"], "nothing pinned the world group: the check would pass whatever GROUP_DEFAULTS says"
+    unlisted = [(m, q) for m, q in out["before"] if m not in out["listed"]]
+    assert not unlisted, f"defaults holding a ProcessGroup in modules missing from exit.GROUP_DEFAULTS: {unlisted}"
+    assert out["after"] == [] and out["dropped"] >= len(out["before"]), out
+    assert not out["initialized"] and out["gloo_threads"] == [], out
+
+
+@pytest.mark.slow
+def test_no_abort_at_exit_in_repeated_launches_under_load(tmp_path):
+    """REPEAT launches (HF_ZERO_EXIT_REPEAT, default 20), alternating the two reported scripts, each beside a
+    process that keeps one core busy: no process may die by a signal or print "terminate called"."""
+    # a busy loop bounded by its own clock, should this test be killed before it stops it
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + %d\n"
+                             "while time.monotonic() < end: pass" % (REPEAT * LAUNCH_TIMEOUT_S)])
+    failures, t0 = [], time.monotonic()
+    try:
+        for i in range(REPEAT):
+            launcher, args = (TORCHRUN_STAGE1, SPAWN_STAGE3)[i % 2]
+            res = launch(launcher, args, tmp_path)
+            found = problems(launcher, res)
+            if found:
+                failures.append(f"launch {i} ({launcher} {' '.join(args)}): {found}\n{res.stderr}")
+    finally:
+        busy.kill()
+        busy.wait()
+    print(f"{REPEAT} launches in {time.monotonic() - t0:.0f} s, {len(failures)} failed")
+    assert not failures, f"{len(failures)} of {REPEAT} launches did not end cleanly:\n" + "\n".join(failures)
