@@ -181,6 +181,14 @@ class Unit:
         self.release()
 
 
+def _not_compiled(hook: Callable) -> Callable:
+    """torch.compile of a sharded model (a compiled model's forward runs these hooks): the hook runs eagerly, a
+    graph break, instead of being traced. Its collectives, storage resizes and Python bookkeeping cannot be traced
+    (dynamo fails building the guards of a traced all-gather: an IndexError in symbolic_shapes); the layers between
+    two units' hooks still compile."""
+    return torch.compiler.disable(hook, recursive=True)
+
+
 class Gatherer:
     """Installs the stage-3 hooks and keeps the execution order used for prefetching."""
 
@@ -241,7 +249,7 @@ class Gatherer:
                 flat[i] = t
             return tree_unflatten(flat, spec)
 
-        return pre_forward
+        return _not_compiled(pre_forward)
 
     def _make_post(self, unit: Unit):
         def post_forward(module: nn.Module, args: Any, output: Any):
@@ -263,7 +271,7 @@ class Gatherer:
                 unit.release()
             return None
 
-        return post_forward
+        return _not_compiled(post_forward)
 
     def wait(self) -> None:
         """Wait for every all-gather in flight (prefetches included); the units stay as they are."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections import OrderedDict
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
@@ -73,6 +74,13 @@ def _with_kernel(group: Dict[str, Any], choice: Dict[str, Any]) -> Dict[str, Any
     return {**group, **choice}
 
 
+# the hook dicts torch.optim.Optimizer.__init__ creates (its register_* methods and step wrapper use them)
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+)
+
+
 class Segment(NamedTuple):
     """One parameter ∩ the rank's owned range: a 1-D view of the master shard."""
 
@@ -88,6 +96,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     `param_groups` are the user's groups (same hyper-parameters, same order) whose params are the rank's
     segments; LR schedulers that edit `param_groups` work unchanged. `state_dict()` is this rank's shard only.
+    A `torch.optim.Optimizer` in full: step pre/post hooks (its own and torch's global ones, once per step),
+    state-dict and load-state-dict hooks, `defaults`, `state` keyed by the segment tensors; `param_groups`,
+    `state` and `defaults` are the inner optimizer's (the user's class over the segments).
     """
 
     def __init__(self, user_optimizer: torch.optim.Optimizer, groups: List[FlatGroup], reducer: Reducer, comm: Comm,
@@ -141,19 +152,53 @@ class ZeroOptimizer(torch.optim.Optimizer):
             choice = {"fused": None, "foreach": True}
             self.inner = cls([_with_kernel(g, choice) for g in inner_groups], **{**kwargs, **choice})
             self.kernel = f"foreach (fused refused: {exc})"
-        # Share the inner optimizer's groups and state, so schedulers and hooks see one set of dicts.
-        self.defaults = self.inner.defaults
-        self.param_groups = self.inner.param_groups
-        self.state = self.inner.state
-        self._optimizer_step_pre_hooks: Dict[int, Callable] = {}
-        self._optimizer_step_post_hooks: Dict[int, Callable] = {}
-        self._optimizer_state_dict_pre_hooks: Dict[int, Callable] = {}
-        self._optimizer_state_dict_post_hooks: Dict[int, Callable] = {}
-        self._optimizer_load_state_dict_pre_hooks: Dict[int, Callable] = {}
-        self._optimizer_load_state_dict_post_hooks: Dict[int, Callable] = {}
+        # torch.optim.Optimizer's own attributes, as its __init__ sets them (its __init__ itself would add the
+        # groups again): `param_groups`, `state` and `defaults` are the inner optimizer's (properties below), so LR
+        # schedulers, Accelerate and hooks see one set of dicts. The hook dicts are the user's optimizer's: hooks
+        # registered on it before sharding fire here, as they would on the optimizer stock Accelerate steps.
+        for name in _HOOK_DICTS:
+            theirs = getattr(user_optimizer, name, None)
+            setattr(self, name, theirs if isinstance(theirs, OrderedDict) else OrderedDict())
+        self._warned_capturable_if_run_uncaptured = True
+        # torch wraps `step` once per class: the step pre/post hooks (global, then this optimizer's) run around it
+        self._patch_step_function()
+
+    # The inner optimizer's, read and written through: a scheduler or Accelerate that assigns them assigns the
+    # inner optimizer's (AcceleratedOptimizer's setters do), and its load_state_dict's new groups are seen here.
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[Dict[str, Any]]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self) -> Dict[torch.Tensor, Any]:  # type: ignore[override]
+        """torch's shape: a dict keyed by the segment tensors (`segments[i].tensor`)."""
+        return self.inner.state
+
+    @state.setter
+    def state(self, value: Dict[torch.Tensor, Any]) -> None:
+        self.inner.state = value
+
+    @property
+    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
+        return self.inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: Dict[str, Any]) -> None:
+        self.inner.defaults = value
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        raise TypeError("a ZeroOptimizer is a view of a live engine's shards and cannot be unpickled or deep-copied: "
+                        "save and load it with hf_zero.checkpoint (save_checkpoint / load_checkpoint) or "
+                        "accelerator.save_state / load_state")
 
     def __repr__(self) -> str:
-        return f"ZeroOptimizer(stage={self.config.stage}, inner={self.inner!r})"
+        inner = torch.optim.Optimizer.__repr__(self)  # torch's: the class name, then each parameter group
+        return f"{inner.split(' (', 1)[0]} (stage {self.config.stage} over {type(self.inner).__name__}" \
+               f"{inner[inner.index(' (') + 2:]}"
 
     def _attach_grads(self) -> None:
         """Point each segment's .grad at the owned gradient range (in the master dtype and device)."""
@@ -215,13 +260,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Reduce (if not yet), unscale, skip on fp16 overflow, update the shard, restore full parameters."""
-        loss = closure() if closure is not None else None
+        # the step pre/post hooks run around this method (torch.optim.Optimizer._patch_step_function)
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        else:
+            loss = None
         self._opt_called = True  # what torch's LR schedulers check (see _wrapped_by_lr_sched below)
-        for hook in list(self._optimizer_step_pre_hooks.values()):
-            hook(self, (), {})
         if self.prepare_grads():
             self._attach_grads()
-            self.inner.step()
+            self._inner_step()
             for seg in self.segments:
                 seg.tensor.grad = None
             self._gather_updated_params()
@@ -233,9 +281,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             logger.warning("hf_zero: fp16 overflow, skipping the step; loss scale %.0f -> %.0f", before,
                            self.scaler.scale)
         self.zero_grad()
-        for hook in list(self._optimizer_step_post_hooks.values()):
-            hook(self, (), {})
         return loss
+
+    def _inner_step(self) -> None:
+        """The inner optimizer's step without torch's hook wrapper: a global step hook sees one optimizer step per
+        training step (this one), as under stock Accelerate."""
+        step = type(self.inner).step
+        if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+            step.__wrapped__(self.inner)
+        else:
+            self.inner.step()
 
     def _gather_updated_params(self) -> None:
         """The shard was updated: refresh the compute copy and (stages 1/2) all-gather the full parameters."""
@@ -256,19 +311,37 @@ class ZeroOptimizer(torch.optim.Optimizer):
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradient accumulators (also done by every step)."""
+        """Reset the gradient accumulators (also done by every step). The gradients live in the engine's flat
+        buffers, so `set_to_none` changes nothing: both values are accepted, as torch's optimizers accept them."""
         self.reducer.zero_grad()
         self._prepared = False
 
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's optimizer shard (segments as parameters). For a world-size-independent checkpoint use
-        the engine's checkpoint functions."""
-        return self.inner.state_dict()
+        """This rank's optimizer shard (segments as parameters), through this optimizer's state-dict hooks. For a
+        world-size-independent checkpoint use the engine's checkpoint functions."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self.inner.state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a `state_dict()` of this rank's shard, through this optimizer's load-state-dict hooks."""
+        state_dict = state_dict.copy()  # shallow, as torch's
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self.inner.load_state_dict(state_dict)
-        self.param_groups = self.inner.param_groups
-        self.state = self.inner.state
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        raise NotImplementedError("hf_zero shards the parameters given to shard_model(); add groups before it")
+        raise NotImplementedError(
+            "hf_zero shards the parameters of the optimizer given to shard_model() / accelerator.prepare(): a "
+            "parameter group cannot be added afterwards. Put every group in the optimizer before that, e.g. "
+            "torch.optim.AdamW([{'params': ...}, {'params': ..., 'lr': ...}]) (a group with lr=0 can be opened later "
+            "by an LR scheduler or by setting optimizer.param_groups[i]['lr'])")

@@ -1,0 +1,324 @@
+"""The engine's optimizer is a real `torch.optim.Optimizer` (issue 20, item 2): every API a training loop, an LR
+scheduler, Accelerate or the Trainer calls on an optimizer behaves as on stock AdamW.
+
+Each check runs the same calls on hf_zero's optimizer and on a stock AdamW over an identical model and compares.
+World size 1 in this process where ranks do not matter; hooks firing once per step on every rank and the training
+equal to stock AdamW at world sizes 2 and 3 through tests/_dist.py; `optimizer.optimizer` of a real
+`HfZeroAccelerator.prepare` in a subprocess.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import models
+from _dist import run_scenarios
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+STEPS = 4
+
+
+def _pair(stage: int):
+    """(engine, its optimizer, stock model, stock AdamW) over identical tiny GPT-2s with the same param groups."""
+    from hf_zero import ZeroConfig, shard_model
+
+    stock_model = models.make_model("gpt2")
+    stock_opt = models.make_optimizer(stock_model)
+    model = models.make_model("gpt2")
+    engine = shard_model(model, models.make_optimizer(model), ZeroConfig(stage=stage))
+    return engine, engine.optimizer, stock_model, stock_opt
+
+
+def _train_step(model, opt, batch, backward=None):
+    loss = model(input_ids=batch, labels=batch).loss
+    (backward or (lambda l: l.backward()))(loss)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _both_train(stage: int, setup, steps: int = STEPS):
+    """Run `setup(opt)` on both optimizers, train `steps` steps, return (zero's, stock's) setup results + losses."""
+    engine, opt, stock_model, stock_opt = _pair(stage)
+    ours, ref = setup(opt), setup(stock_opt)
+    batches = models.make_batches(steps, 1)
+    for step in range(steps):
+        ours.setdefault("losses", []).append(_train_step(engine.model, opt, batches[step][0], engine.backward))
+        ref.setdefault("losses", []).append(_train_step(stock_model, stock_opt, batches[step][0]))
+    return engine, ours, ref
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_is_a_torch_optimizer_with_torch_attributes(stage):
+    engine, opt, _, stock = _pair(stage)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.defaults == stock.defaults
+    assert opt.param_groups is opt.inner.param_groups and opt.state is opt.inner.state
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in stock.param_groups]
+    # state in torch's shape: keyed by the segment tensors the user reads
+    _train_step(engine.model, opt, models.make_batches(1, 1)[0][0], engine.backward)
+    segs = [s.tensor for s in opt.segments]
+    assert len(opt.state) == len(segs) and all(any(k is s for s in segs) for k in opt.state)
+    for s in segs:
+        assert opt.state[s]["exp_avg"].shape == s.shape
+    assert set(opt.__getstate__()) == set(stock.__getstate__()) == {"defaults", "state", "param_groups"}
+    assert "ZeroOptimizer" in repr(opt) and "Parameter Group 1" in repr(opt)
+    for set_to_none in (True, False):
+        opt.zero_grad(set_to_none=set_to_none)
+        stock.zero_grad(set_to_none=set_to_none)
+    with pytest.raises(NotImplementedError, match="before"):
+        opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
+
+
+def _step_hooks(opt):
+    calls = {"pre": [], "post": [], "removed": 0}
+    seen = []
+
+    def pre(o, args, kwargs):
+        seen.append(o is opt)
+        calls["pre"].append(round(o.param_groups[0]["lr"], 12))
+
+    def post(o, args, kwargs):
+        seen.append(o is opt)
+        calls["post"].append(len(calls["pre"]))
+
+    def removed(o, args, kwargs):
+        calls["removed"] += 1
+
+    opt.register_step_pre_hook(pre)
+    opt.register_step_post_hook(post)
+    opt.register_step_post_hook(removed).remove()
+    calls["seen"] = seen
+    return calls
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_step_pre_and_post_hooks_fire_like_stock(stage):
+    engine, ours, ref = _both_train(stage, _step_hooks)
+    assert ours["pre"] == ref["pre"] and ours["post"] == ref["post"] == list(range(1, STEPS + 1))
+    assert ours["removed"] == ref["removed"] == 0
+    assert all(ours["seen"]) and all(ref["seen"]) and len(ours["seen"]) == 2 * STEPS
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+
+
+def test_global_step_hooks_see_the_engine_optimizer():
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    engine, opt, stock_model, stock_opt = _pair(2)
+    seen = []
+    handles = [register_optimizer_step_pre_hook(lambda o, a, k: seen.append(("pre", o))),
+               register_optimizer_step_post_hook(lambda o, a, k: seen.append(("post", o)))]
+    try:
+        batch = models.make_batches(1, 1)[0][0]
+        _train_step(engine.model, opt, batch, engine.backward)
+        _train_step(stock_model, stock_opt, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    # stock: pre then post, once each per step; ZeRO's step is one optimizer step (its inner optimizer's step is
+    # its own business, as AcceleratedOptimizer's inner step is)
+    ours = [(k, o is opt) for k, o in seen if o is opt or o is opt.inner]
+    assert ours == [("pre", True), ("post", True)], ours
+    assert [(k, o is stock_opt) for k, o in seen if o is stock_opt] == [("pre", True), ("post", True)]
+
+
+def test_hooks_registered_on_the_users_optimizer_before_sharding_fire():
+    """Under stock Accelerate the optimizer the user built is the one stepped: its hooks fire. Same here."""
+    from hf_zero import ZeroConfig, shard_model
+
+    model = models.make_model("gpt2")
+    user_opt = models.make_optimizer(model)
+    fired = []
+    user_opt.register_step_post_hook(lambda o, a, k: fired.append(o))
+    engine = shard_model(model, user_opt, ZeroConfig(stage=2))
+    _train_step(engine.model, engine.optimizer, models.make_batches(1, 1)[0][0], engine.backward)
+    assert fired == [engine.optimizer]
+
+
+def _state_dict_hooks(opt):
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append(("sd_pre", o is opt)))
+
+    def post(o, sd):
+        calls.append(("sd_post", o is opt, sorted(sd)))
+        sd["extra"] = 1
+        return sd
+
+    opt.register_state_dict_post_hook(post)
+    opt.register_state_dict_pre_hook(lambda o: calls.append(("sd_first", o is opt)), prepend=True)
+
+    def load_pre(o, sd):
+        calls.append(("load_pre", o is opt, sd.get("extra")))
+        sd = dict(sd)
+        sd.pop("extra")
+        return sd
+
+    opt.register_load_state_dict_pre_hook(load_pre)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("load_post", o is opt)))
+    return {"calls": calls, "opt": opt}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_state_dict_hooks_like_stock(stage):
+    engine, ours, ref = _both_train(stage, _state_dict_hooks, steps=1)
+    opt = engine.optimizer
+    exp = [opt.state[s.tensor]["exp_avg"].clone() for s in opt.segments]
+    sd = opt.state_dict()
+    assert sd["extra"] == 1
+    opt.load_state_dict(sd)
+    assert opt.state is opt.inner.state and opt.param_groups is opt.inner.param_groups
+    for s, e in zip(opt.segments, exp):
+        torch.testing.assert_close(opt.state[s.tensor]["exp_avg"], e, rtol=0, atol=0)
+    stock = ref.pop("opt")
+    stock.load_state_dict(stock.state_dict())
+    assert ours["calls"] == ref["calls"] and len(ref["calls"]) == 5, (ours["calls"], ref["calls"])
+
+
+def _schedulers(kind):
+    def setup(opt):
+        if kind == "lambda":
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        elif kind == "cosine":
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=3, eta_min=1e-4)
+        else:  # a scheduler built before a step hook: the hooks still see its steps
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.02, 0.05], total_steps=STEPS + 1)
+        lrs = []
+        opt.register_step_post_hook(lambda o, a, k: (sched.step(), lrs.append([g["lr"] for g in o.param_groups])))
+        return {"lrs": lrs, "sched": sched}
+    return setup
+
+
+@pytest.mark.parametrize("kind", ["lambda", "cosine", "onecycle"])
+def test_lr_schedulers_match_stock(kind):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        engine, ours, ref = _both_train(3, _schedulers(kind))
+    assert ours["lrs"] == ref["lrs"] and len(ours["lrs"]) == STEPS
+    assert ours["sched"].get_last_lr() == ref["sched"].get_last_lr()
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+
+
+def test_pickles_like_stock():
+    engine, opt, _, stock = _pair(1)
+    state = pickle.loads(pickle.dumps(opt.__getstate__()))
+    assert [len(g["params"]) for g in state["param_groups"]] == [len(g["params"]) for g in opt.param_groups]
+    assert set(state) == set(stock.__getstate__())
+    # a copy would be an optimizer over no engine: refused with the way to save it (stock copies)
+    with pytest.raises(TypeError, match="save_checkpoint"):
+        pickle.loads(pickle.dumps(opt))
+
+
+# ------------------------------------------------------------------------------------ several ranks (gloo)
+def hooked_training(rank, world_size, stage):
+    """Every rank: step pre/post hooks and a LambdaLR on the engine optimizer; the training itself."""
+    from hf_zero import ZeroConfig, shard_model
+
+    model = models.make_model("gpt2")
+    engine = shard_model(model, models.make_optimizer(model), ZeroConfig(stage=stage))
+    opt = engine.optimizer
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    events = []
+    opt.register_step_pre_hook(lambda o, a, k: events.append(("pre", o is opt)))
+    opt.register_step_post_hook(lambda o, a, k: events.append(("post", o is opt, o.param_groups[0]["lr"])))
+    losses = []
+    for step, (mb,) in enumerate(models.make_batches(STEPS, 1)):
+        x = models.rank_slice(mb, rank, world_size)
+        loss = engine.model(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    sd = engine.full_state_dict()
+    return {"events": events, "losses": losses, "state": {k: v.clone() for k, v in sd.items()} if rank == 0 else None}
+
+
+def stock_hooked_training():
+    model = models.make_model("gpt2")
+    opt = models.make_optimizer(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    events = []
+    opt.register_step_pre_hook(lambda o, a, k: events.append(("pre", o is opt)))
+    opt.register_step_post_hook(lambda o, a, k: events.append(("post", o is opt, o.param_groups[0]["lr"])))
+    for (mb,) in models.make_batches(STEPS, 1):
+        model(input_ids=mb, labels=mb).loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return {"events": events, "state": model.state_dict()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hooks_fire_once_per_step_on_every_rank_and_training_equals_stock(world_size):
+    results = run_scenarios(world_size, [(f"stage{s}", hooked_training, {"stage": s}) for s in (2, 3)])
+    ref = stock_hooked_training()
+    for name, per_rank in results.items():
+        if isinstance(per_rank, Exception):
+            raise per_rank
+        for r in per_rank:
+            assert r["events"] == ref["events"], (name, r["events"])
+        state = per_rank[0]["state"]
+        for k, v in ref["state"].items():
+            if k in state:
+                torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=f"{name} {k}")
+
+
+# ------------------------------------------------------------------------------------ Accelerate, one process
+ACCEL_SCRIPT = r'''
+import json, sys, warnings
+warnings.simplefilter("error", UserWarning)  # "lr_scheduler.step() before optimizer.step()" fails the run
+backend, out = sys.argv[1], sys.argv[2]
+if backend == "zero":
+    from hf_zero import HfZeroAccelerator as Accelerator
+else:
+    from accelerate import Accelerator
+import torch
+sys.path.insert(0, sys.argv[3])
+import models
+acc = Accelerator()
+model = models.make_model("gpt2")
+optimizer = models.make_optimizer(model)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+events = []
+inner = optimizer.optimizer
+inner.register_step_pre_hook(lambda o, a, k: events.append(["pre", o is inner]))
+inner.register_step_post_hook(lambda o, a, k: events.append(["post", o is inner, o.param_groups[0]["lr"]]))
+losses = []
+for (mb,) in models.make_batches(4, 1):
+    loss = model(input_ids=mb, labels=mb).loss
+    acc.backward(loss)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    losses.append(loss.item())
+json.dump({"events": events, "losses": losses, "lr": scheduler.get_last_lr()}, open(out, "w"))
+'''
+
+
+def test_accelerate_prepared_optimizer_hooks_match_stock(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "HF_ZERO_"))}
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false")
+    script = tmp_path / "accel.py"
+    script.write_text(ACCEL_SCRIPT)
+    logs = {}
+    for backend in ("zero", "stock"):
+        out = tmp_path / f"{backend}.json"
+        res = subprocess.run([sys.executable, str(script), backend, str(out), HERE], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert res.returncode == 0, f"{backend}:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+        logs[backend] = json.loads(out.read_text())
+    assert logs["zero"]["events"] == logs["stock"]["events"]
+    assert len(logs["zero"]["events"]) == 8
+    assert logs["zero"]["lr"] == logs["stock"]["lr"]
+    torch.testing.assert_close(torch.tensor(logs["zero"]["losses"]), torch.tensor(logs["stock"]["losses"]),
+                               rtol=1e-5, atol=1e-6)
