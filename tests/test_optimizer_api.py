@@ -322,3 +322,63 @@ def test_accelerate_prepared_optimizer_hooks_match_stock(tmp_path):
     assert logs["zero"]["lr"] == logs["stock"]["lr"]
     torch.testing.assert_close(torch.tensor(logs["zero"]["losses"]), torch.tensor(logs["stock"]["losses"]),
                                rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------ the Trainer, one process
+TRAINER_SCRIPT = r'''
+import json, sys
+backend, out = sys.argv[1], sys.argv[2]
+sys.path.insert(0, sys.argv[3])
+if backend == "zero":
+    import hf_zero
+    from hf_zero import ZeroPlugin, ZeroTrainer
+import torch
+import models
+from datasets import Dataset
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+rows = [mb[0] for (mb,) in models.make_batches(8, 1)]
+ds = Dataset.from_dict({"input_ids": [r.tolist() for r in rows], "labels": [r.tolist() for r in rows]})
+events = []
+
+
+class Hooks(TrainerCallback):
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        inner = optimizer.optimizer  # what AcceleratedOptimizer wraps
+        inner.register_step_pre_hook(lambda o, a, k: events.append(["pre", o is inner]))
+        inner.register_step_post_hook(lambda o, a, k: events.append(["post", o is inner, o.param_groups[0]["lr"]]))
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        events.append(["on_optimizer_step", state.global_step])
+
+
+args = TrainingArguments(output_dir=out + ".run", max_steps=4, per_device_train_batch_size=2, learning_rate=1e-2,
+                         lr_scheduler_type="cosine", warmup_steps=1, report_to=[], seed=0, use_cpu=True,
+                         disable_tqdm=True, save_strategy="no", logging_steps=1)
+model = models.make_model("gpt2")
+kw = {"zero_plugin": ZeroPlugin(stage=3)} if backend == "zero" else {}
+trainer = (ZeroTrainer if backend == "zero" else Trainer)(model=model, args=args, train_dataset=ds,
+                                                          callbacks=[Hooks()], **kw)
+trainer.train()
+losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+json.dump({"events": events, "losses": losses}, open(out, "w"))
+'''
+
+
+def test_trainer_optimizer_hooks_and_callbacks_match_stock(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "HF_ZERO_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false")
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER_SCRIPT)
+    logs = {}
+    for backend in ("zero", "stock"):
+        out = tmp_path / f"{backend}.json"
+        res = subprocess.run([sys.executable, str(script), backend, str(out), HERE], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert res.returncode == 0, f"{backend}:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+        logs[backend] = json.loads(out.read_text())
+    assert logs["zero"]["events"] == logs["stock"]["events"]
+    assert [e[0] for e in logs["zero"]["events"]].count("post") == 4
+    assert len(logs["zero"]["losses"]) == 4
+    torch.testing.assert_close(torch.tensor(logs["zero"]["losses"]), torch.tensor(logs["stock"]["losses"]),
+                               rtol=1e-4, atol=1e-5)
