@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from .source import MANIFEST, CheckpointError
+from .source import MANIFEST, CheckpointError, read_manifest
 
 logger = logging.getLogger("hf_zero")
 
@@ -153,7 +153,10 @@ def _complete(folder: Path) -> bool:
     """A checkpoint folder whose manifest lists files that are all there, at their recorded sizes."""
     if not is_checkpoint(folder):
         return False
-    manifest = json.loads((folder / MANIFEST).read_text())
+    try:
+        manifest = read_manifest(folder)  # checks that every name in it is a plain file of the folder
+    except CheckpointError:
+        return False
     sizes = manifest.get("file_bytes") or {}
     for name in manifest.get("files") or {}:
         f = folder / str(name)

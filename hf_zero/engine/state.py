@@ -13,12 +13,11 @@ layout before it changes anything, so a mismatch raises with the engine untouche
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
+ZeroEngine = Any  # engine.py imports this file; the functions below take its ZeroEngine
 
 
 @dataclass
@@ -71,7 +70,7 @@ def _persistent_buffers(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
-def capture_shard_state(engine: "ZeroEngine") -> ShardState:
+def capture_shard_state(engine: ZeroEngine) -> ShardState:
     """This rank's state as views of the engine's own tensors (no copy)."""
     opt = engine.optimizer
     groups = [GroupShard(g.plan.index, g.lo, g.hi, g.plan.trainable, g.master if g.plan.trainable else g.shard)
@@ -93,7 +92,7 @@ def capture_shard_state(engine: "ZeroEngine") -> ShardState:
     )
 
 
-def _check(engine: "ZeroEngine", staged: ShardState) -> None:
+def _check(engine: ZeroEngine, staged: ShardState) -> None:
     """Raise ValueError, changing nothing, when `staged` does not fit this engine's layout."""
     mine = capture_shard_state(engine)
     if [(g.index, g.lo, g.hi) for g in staged.groups] != [(g.index, g.lo, g.hi) for g in mine.groups]:
@@ -122,7 +121,7 @@ def _check(engine: "ZeroEngine", staged: ShardState) -> None:
 
 
 @torch.no_grad()
-def apply_shard_state(engine: "ZeroEngine", staged: ShardState) -> None:
+def apply_shard_state(engine: ZeroEngine, staged: ShardState) -> None:
     """Collective at stages 1/2 (the full parameters are all-gathered from the new shards). Replace the engine's
     training state with `staged`: values, buffers, optimizer state and hyper-parameters, loss scale. Gradients
     being accumulated are dropped."""

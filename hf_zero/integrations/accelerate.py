@@ -13,12 +13,14 @@ Accelerate and the Trainer read (RNG, scheduler, sampler, data-loader and custom
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import pickle
 import re
 import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -26,8 +28,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import nn
 
-from ..checkpoint import (CheckpointError, export_pretrained, load_checkpoint, push_to_hub, read_manifest,
-                          save_checkpoint)
+from ..checkpoint import (CheckpointError, export_pretrained, push_to_hub, read_manifest, resolve_checkpoint,
+                          save_checkpoint, stage_checkpoint)
 from ..checkpoint.hosts import raise_if_any_failed, require_on_every_host
 from ..engine import ZeroEngine, ZeroOptimizer, enable_activation_checkpointing, shard_model
 from ..engine.exit import close_at_exit
@@ -418,18 +420,65 @@ class HfZeroAccelerator(Accelerator):
         folder = os.path.expanduser(str(input_dir))
         files = self._state_files()
         require_on_every_host(folder, list(files), files, CheckpointError)
-        shards = os.path.join(folder, "zero_shards")
-        if not os.path.isdir(shards):
+        shards = resolve_checkpoint(Path(folder, "zero_shards"))  # a save killed mid-rename left the previous aside
+        if not shards.is_dir():
             raise FileNotFoundError(f"{input_dir} has no zero_shards/ folder: it was not written by "
                                     f"HfZeroAccelerator.save_state, so it holds no optimizer shards")
+        # All or nothing: the shards are read and checked on every rank first; Accelerate's part (schedulers, RNG,
+        # samplers, custom objects) is undone if it fails on any rank; only then does the engine change.
+        _, staged = stage_checkpoint(self.zero_engine, shards)
+        before = self._restorable_state()
         error = None
         try:
             with self._without(models=True, optimizers=True):
                 self._load_accelerate_state(input_dir, load_kwargs, trust, **load_model_func_kwargs)
-        except Exception as exc:  # raised on every rank, not left to hang the others in load_checkpoint
+        except Exception as exc:  # raised on every rank, not left to hang the others in the next collective
             error = exc
-        raise_if_any_failed(error, f"load_state({input_dir})", CheckpointError)
-        load_checkpoint(self.zero_engine, shards)
+        try:
+            raise_if_any_failed(error, f"load_state({input_dir})", CheckpointError)
+        except CheckpointError:
+            self._restore_state(before)
+            raise
+        self.zero_engine.load_shard_state(staged)
+
+    def _restorable_state(self) -> Dict[str, Any]:
+        """What Accelerate's load_state changes besides models and optimizers, copied so a failed load can put it
+        back: scheduler and custom-object states, data-loader samplers and states, the RNG states."""
+        import random
+
+        import numpy as np
+
+        def copied(obj: Any) -> Any:
+            return copy.deepcopy(obj.state_dict()) if hasattr(obj, "state_dict") else None
+
+        return {
+            "schedulers": [copied(s) for s in self._schedulers],
+            "custom": [copied(o) for o in self._custom_objects],
+            "samplers": [d.get_sampler() if hasattr(d, "get_sampler") else None for d in self._dataloaders],
+            "loaders": [copied(d) if getattr(d, "use_stateful_dataloader", False) else None
+                        for d in self._dataloaders],
+            "rng": (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                    torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None),
+        }
+
+    def _restore_state(self, saved: Dict[str, Any]) -> None:
+        import random
+
+        import numpy as np
+
+        for obj, state in [*zip(self._schedulers, saved["schedulers"]), *zip(self._custom_objects, saved["custom"]),
+                           *zip(self._dataloaders, saved["loaders"])]:
+            if state is not None:
+                obj.load_state_dict(state)
+        for loader, sampler in zip(self._dataloaders, saved["samplers"]):
+            if sampler is not None and hasattr(loader, "set_sampler"):
+                loader.set_sampler(sampler)
+        py, np_state, cpu, cuda = saved["rng"]
+        random.setstate(py)
+        np.random.set_state(np_state)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
     def _load_accelerate_state(self, input_dir: Optional[str], load_kwargs: Optional[dict], trust: bool,
                                **load_model_func_kwargs: Any) -> None:
