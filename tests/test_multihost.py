@@ -27,8 +27,8 @@ noexcept destructor. It is a race (about 1 launch in 40 here), so these tests ca
 every time: `HF_ZERO_MULTIHOST_REPEAT=N` repeats a two-host stage-3 launch N times (default 1; even
 attempts leave the group to HfZeroAccelerator's exit hook, odd ones call end_training()), and
 test_gloo_threads_are_gone_before_the_interpreter_finalizes checks the cause itself, deterministically (it failed
-until HfZeroAccelerator's exit hook freed the destroyed groups: integrations/accelerate.py
-_release_destroyed_groups).
+until the exit hook freed the destroyed groups: now hf_zero/engine/exit.py, registered by every ZeroEngine and
+HfZeroAccelerator).
 Not a failure: torchrun's own exit-barrier race (pytorch/pytorch#69520), logged by an agent that then exits 0.
 """
 from __future__ import annotations

@@ -7,11 +7,9 @@ functions of `hf_zero.checkpoint` that take the engine.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import warnings
-import weakref
 from typing import Dict, Iterator, List, Optional
 
 import torch
