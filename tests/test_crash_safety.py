@@ -122,6 +122,25 @@ def test_kill_during_save_leaves_a_checkpoint_to_resume(tmp_path, world, pause):
 
 
 # ------------------------------------------------------------------------------------------ the Trainer
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and every process below it, and wait until they are gone."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid)]
+        tree += tree[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=60)
+    proc.wait()
+    assert not alive, f"processes survived SIGKILL: {alive}"
+
+
 def _trainer_cmd(out: Path, *args: str):
     from test_accelerate import SCRIPTS, _free_port
 
@@ -146,7 +165,7 @@ def test_trainer_resumes_from_the_newest_complete_checkpoint(tmp_path):
     out.mkdir()
     with open(tmp_path / "killed.log", "w") as log:
         run = subprocess.Popen(_trainer_cmd(out, "--pause-in-save", "4"), env=_env(), stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+                               stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + START_TIMEOUT_S
             while not ((out / "paused").is_file() and (out / "paused").read_text().strip()):
@@ -158,8 +177,7 @@ def test_trainer_resumes_from_the_newest_complete_checkpoint(tmp_path):
                 except subprocess.TimeoutExpired:
                     pass
         finally:
-            os.killpg(run.pid, signal.SIGKILL)  # the launcher and both ranks
-            run.wait()
+            _kill_tree(run)  # the launcher and both ranks (torchrun starts each rank in a session of its own)
     assert (out / "checkpoint-2" / "trainer_state.json").is_file()
     assert not (out / "checkpoint-4" / "trainer_state.json").exists(), "checkpoint-4 was finished before the kill"
 
