@@ -15,7 +15,8 @@ synchronising backward every group not yet launched is launched, zeros where no 
 issues every group once and in the same order even when ranks used different parameters (a branch one rank
 skips: the result is DDP's with find_unused_parameters=True). The backward waits for its reductions before it
 returns, so no collective of the reducer's is left in flight. Sums are divided by the world size once, at
-`finalize()`, which only the step calls.
+`finalize()`, which only the step (and a clip outside no_sync()) calls. "The end of the backward" is the end of the
+outermost one: a nested backward (reentrant activation checkpointing) ending inside it is not (`_end_of_backward`).
 
 HSDP (a partition group of K ranks, replicated): the reduce-scatter runs over the partition group, and the owned
 range it leaves is then all-reduced over the replicas (the ranks holding the same range in the other groups),
@@ -30,6 +31,14 @@ from torch import nn
 
 from .buffers import BufferPool, FlatGroup
 from .comm import Chain, Comm, Handle
+
+
+def _enclosing_node():
+    """The autograd node an enclosing backward is evaluating on this thread, or None in the outermost backward
+    (read from an autograd callback: torch sets it around each node's evaluation, so it is set when a backward
+    runs inside a node's backward, e.g. torch.utils.checkpoint with use_reentrant=True)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current() if current is not None else None
 
 
 class _GroupState:
@@ -168,7 +177,22 @@ class Reducer:
             self.inflight.pop(0).wait()
 
     def _end_of_backward(self) -> None:
-        """Runs once when autograd finishes: launch what is left, in order (a synchronising backward), and wait."""
+        """Runs once when autograd finishes: launch what is left, in order (a synchronising backward), and wait.
+
+        A nested backward (reentrant activation checkpointing: each segment's backward node runs its own
+        torch.autograd.backward) gets the callback when it was the graph task current at the first gradient, and
+        its end is not the end: an enclosing backward is still running one of its nodes. Then the callback moves
+        to that node's completion, which queues it on the enclosing graph task, up to the outermost."""
+        node = _enclosing_node()
+        if node is not None:
+            handle = []
+
+            def requeue(*_args) -> None:
+                handle.pop().remove()
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+            handle.append(node.register_hook(requeue))
+            return
         self._callback_queued = False
         if self.stage >= 2 or self.sync:
             for st in self.order[self._next:]:  # parameters that got no gradient here: every rank launches them
