@@ -2,7 +2,8 @@
 
 1. `prepare_grads`: the reducer finalises the gradient shards (waits, averages); fp16 gradients are unscaled and
    checked for overflow on every rank;
-2. `clip_grad_norm_`: the global norm over every rank's shard, and the clipping;
+2. `clip_grad_norm_`: the global norm over every rank's shard, and the clipping (inside `no_sync()`, in the middle
+   of gradient accumulation, it finalises nothing: `_clip_accumulating`);
 3. `step`: the user's element-wise optimizer over this rank's master shard;
 4. after the step: the master is cast into the compute shard and, at stages 1/2, one all-gather per group
    restores the full parameters; the gradient accumulators are reset.
@@ -233,7 +234,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._step_ok
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the (global) gradient to `max_norm` and return the global norm over all ranks' shards."""
+        """Clip the (global) gradient to `max_norm` and return the global norm over all ranks' shards.
+
+        Inside `no_sync()` (a micro-batch that does not synchronise: more backwards will add into the gradient)
+        nothing is finalised: see `_clip_accumulating`."""
+        if not self.reducer.sync:
+            return self._clip_accumulating(max_norm, norm_type)
         if not self.prepare_grads():
             return torch.tensor(float("inf"))
         norm_type = float(norm_type)
@@ -255,6 +261,48 @@ class ZeroOptimizer(torch.optim.Optimizer):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             for s in shards:
                 s.mul_(coef.to(s.dtype))
+        return total
+
+    @torch.no_grad()
+    def _clip_accumulating(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """clip_grad_norm_ in the middle of gradient accumulation: finalises, averages and unscales nothing, so the
+        step computes what it would without the call unless the norm is over `max_norm`.
+
+        Stages 0/1 (gradients accumulate locally until the synchronising backward): as DDP's no_sync(), the norm
+        of the rank's local accumulated gradient, no collective; it is scaled in place when over `max_norm`.
+        Stages 2/3 (every micro-batch is reduce-scattered): the global norm of the reduced sums so far, scaled as
+        the final average would be (sum / N), over every rank's shard; those sums are scaled in place when over
+        `max_norm`. fp16: measured unscaled (the accumulators keep the loss scale)."""
+        self.reducer.wait()  # reductions in flight add into the shards (averages nothing)
+        local_only = self.config.stage < 2
+        divisor = float(self.scaler.scale) if self.scaler is not None else 1.0
+        tensors, scales = [], []
+        for st in self.reducer.states:
+            if local_only:
+                self.reducer._clear_stale(st)  # stage 1 after a reduction: the stale rest is not this rank's sum
+                tensors.append(st.group.grad_full)
+                scales.append(divisor)
+            else:
+                tensors.append(st.group.grad_shard)
+                scales.append(divisor * (1 if st.predivide else self.reducer.world_size))
+        norm_type = float(norm_type)
+        acc = torch.promote_types(tensors[0].dtype, torch.float32) if tensors else torch.float32
+        if norm_type == float("inf"):
+            local = torch.stack([(t.to(acc).abs().max() / d) for t, d in zip(tensors, scales)]).max() \
+                if tensors else torch.zeros((), dtype=acc, device=self.device)
+            op = dist.ReduceOp.MAX
+        else:
+            local = sum(((t.to(acc) / d).abs().pow(norm_type).sum() for t, d in zip(tensors, scales)),
+                        torch.zeros((), dtype=acc, device=self.device))
+            op = dist.ReduceOp.SUM
+        local = local.reshape(1).to(self.device)
+        if not local_only:
+            self.comm.all_reduce(local, "grad norm (accumulating)", async_op=False, control=True, op=op)
+        total = local[0] if norm_type == float("inf") else local[0] ** (1.0 / norm_type)
+        if max_norm != float("inf") and bool(torch.isfinite(total)) and float(total) > max_norm:
+            coef = max_norm / (total + 1e-6)  # torch's clip coefficient
+            for t in tensors:
+                t.mul_(coef.to(device=t.device, dtype=t.dtype))
         return total
 
     @torch.no_grad()
