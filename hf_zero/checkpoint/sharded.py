@@ -478,7 +478,7 @@ def _stage(engine: "ZeroEngine", src: CheckpointSource, directory: Path) -> "Sha
     buffers = {b["name"]: src.buffer(b["name"]) for b in saved_model["buffers"]} if saved_model is not None else {}
     return dataclasses.replace(template, groups=groups, segments=segments, buffers=buffers,
                                param_groups=[dict(hp) for hp in src.m["optimizer"]["param_groups"]],
-                               loss_scaler=src.m.get("loss_scaler") if engine.scaler is not None else None)
+                               loss_scaler=src.m.get("loss_scaler") if template.loss_scaler is not None else None)
 
 
 def _agree_on_load(engine: "ZeroEngine", directory: Path, error: Optional[str],

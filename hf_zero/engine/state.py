@@ -124,7 +124,7 @@ def _check(engine: ZeroEngine, staged: ShardState) -> None:
 def apply_shard_state(engine: ZeroEngine, staged: ShardState) -> None:
     """Collective at stages 1/2 (the full parameters are all-gathered from the new shards). Replace the engine's
     training state with `staged`: values, buffers, optimizer state and hyper-parameters, loss scale. Gradients
-    being accumulated are dropped."""
+    being accumulated are dropped. The staged optimizer-state tensors become the engine's own (not copied)."""
     _check(engine, staged)
     opt = engine.optimizer
     engine.zero_grad()
@@ -140,7 +140,8 @@ def apply_shard_state(engine: ZeroEngine, staged: ShardState) -> None:
                 state[key] = v.detach().to(dtype=torch.float32, device="cpu").clone()
             else:
                 dtype = seg.tensor.dtype if v.is_floating_point() else v.dtype
-                state[key] = v.detach().to(device=seg.tensor.device, dtype=dtype).reshape(-1).clone()
+                # taken over, not copied: a second copy of every state would double the load's peak memory
+                state[key] = v.detach().to(device=seg.tensor.device, dtype=dtype).reshape(-1)
         if state:
             opt.state[seg.tensor] = state
         else:
