@@ -167,7 +167,7 @@ def save_failures(rank, world_size, root):
     save_checkpoint(engine, ckpt, step=1)
     base._train(engine, rank, world_size, range(1, 2), batches)
     errors = []
-    real_save, real_swap = st.save_file, sharded._swap
+    real_save, real_swap = st.save_file, sharded.swap
 
     def no_space(*args, **kwargs):
         raise OSError(28, "No space left on device (injected)")
@@ -176,7 +176,7 @@ def save_failures(rank, world_size, root):
         raise OSError(13, "Permission denied (injected)")
 
     for what, patch in (("write", lambda: setattr(st, "save_file", no_space if rank == 3 else real_save)),
-                        ("rename", lambda: setattr(sharded, "_swap", no_rename if rank == 2 else real_swap))):
+                        ("rename", lambda: setattr(sharded, "swap", no_rename if rank == 2 else real_swap))):
         patch()
         try:
             save_checkpoint(engine, ckpt, step=2)
@@ -184,7 +184,7 @@ def save_failures(rank, world_size, root):
         except CheckpointError as exc:
             errors.append((what, str(exc)))
         finally:
-            st.save_file, sharded._swap = real_save, real_swap
+            st.save_file, sharded.swap = real_save, real_swap
         dist.barrier()
     out = {"errors": errors, "parent": sorted(os.listdir(os.path.dirname(ckpt))),
            "step": read_manifest(ckpt)["step"], "files": sorted(os.listdir(ckpt))}
