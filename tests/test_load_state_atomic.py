@@ -134,18 +134,11 @@ def worker(out: str) -> None:
     accelerator.end_training()
 
 
-def _env():
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    for key in ("HF_ZERO_CONFIG_FILE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
 if __name__ == "__main__":
     worker(sys.argv[1])
 else:
     import pytest
+    from test_no_pickles import _env  # the same clean launcher environment
 
     @pytest.fixture(scope="module")
     def results(tmp_path_factory):
