@@ -15,6 +15,7 @@ _MIXED_PRECISION = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": to
 _GRAD_ACCUM = ("fp32", "compute")
 _REDUCE = ("fp32", "compute")
 _OFFLOAD = ("none", "cpu")
+_COLLECTIVES = ("auto", "flat", "chunked")
 
 
 class ZeroConfigError(ValueError):
@@ -53,6 +54,9 @@ class ZeroConfig:
             ranks; after a unit's forward all-gather each rank keeps a secondary shard of its parameters
             partitioned over its group of K ranks (one host), so the backward all-gather stays inside the host.
             Costs Ψ/K compute-dtype elements per rank. K or "host", as for shard_group_size; None, 1 or N: off.
+        collectives: how all-gathers and reduce-scatters are issued: "flat" (one all_gather_into_tensor /
+            reduce_scatter_tensor per bucket, as NCCL runs them), "chunked" (per-rank-chunk broadcasts and reduces,
+            faster on gloo) or "auto" (chunked on gloo, flat otherwise).
         debug_collectives: before every collective, all-gather a fingerprint (kind, unit, size, call index) and
             raise with both sides' descriptions if ranks disagree, instead of hanging.
         initial_loss_scale / loss_scale_growth_interval / loss_scale_factor / min_loss_scale: fp16 dynamic scaler.
@@ -71,6 +75,7 @@ class ZeroConfig:
     optimizer_is_elementwise: Optional[bool] = None
     shard_group_size: Optional[Union[int, str]] = None
     hpz_partition_size: Optional[Union[int, str]] = None
+    collectives: str = "auto"
     debug_collectives: bool = False
     initial_loss_scale: float = 2.0**16
     loss_scale_growth_interval: int = 2000
@@ -135,6 +140,9 @@ class ZeroConfig:
         if self.shard_group_size is not None and self.stage == 0:
             raise ZeroConfigError(
                 f"shard_group_size={self.shard_group_size!r} needs stage 1-3 (stage 0 partitions nothing)")
+        if str(self.collectives).lower() not in _COLLECTIVES:
+            raise ZeroConfigError(f"collectives={self.collectives!r}; allowed: {', '.join(_COLLECTIVES)}")
+        self.collectives = str(self.collectives).lower()
         if self.initial_loss_scale <= 0 or self.loss_scale_factor <= 1 or self.loss_scale_growth_interval < 1:
             raise ZeroConfigError("loss scaler: initial_loss_scale > 0, loss_scale_factor > 1, growth_interval >= 1")
 
