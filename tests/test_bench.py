@@ -342,3 +342,22 @@ def test_ranks_per_host_reasons(n, k, reason):
     got, why = resolve_group_size(n, k)
     assert got is None and reason in why and "--ranks-per-host" in why, why
     assert resolve_group_size(4, None) == (2, None) and resolve_group_size(8, 4) == (4, None)
+
+
+def test_compile_rows_train_like_the_eager_ones(tmp_path):
+    """--compile adds a '<system>+compile' row beside each system: the same training compiled after sharding
+    (aot_eager: dynamo and autograd tracing without inductor's C++ build), so its last loss equals the eager row's,
+    and at stage 3 each transformer block's gather hook is a graph break (the hooks run outside compiled code)."""
+    out = tmp_path / "compile.json"
+    proc = _run_bench(["--systems", "zero3", "--compile", "aot_eager", "--json", str(out)])
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    rows = {r["system"]: r for r in _read_json(out)["rows"]}
+    assert list(rows) == ["zero3", "zero3+compile"]
+    eager, compiled = rows["zero3"], rows["zero3+compile"]
+    assert eager["status"] == compiled["status"] == "ok", (eager, compiled)
+    assert compiled["loss_last_step"] == pytest.approx(eager["loss_last_step"], rel=1e-5)
+    assert compiled["compile_backend"] == "aot_eager" and "graph_breaks" not in eager
+    hook_breaks = sum(n for reason, n in rows["zero3+compile"]["graph_break_reasons"].items()
+                      if "torch.compiler.disable" in reason and "pre_forward" in reason)
+    assert hook_breaks >= 2, rows["zero3+compile"]["graph_break_reasons"]  # the tiny preset's 2 blocks at least
+    assert "zero3+compile:" in proc.stdout and "graph breaks" in proc.stdout

@@ -28,6 +28,7 @@ class Settings:
     timeout_s: float
     threads_per_rank: int = 1
     ranks_per_host: Optional[int] = None  # --ranks-per-host: K of the hierarchical systems (None: the default)
+    compile_backend: str = "inductor"  # --compile BACKEND: what the "<system>+compile" rows compile with
 
     @property
     def tokens_per_step(self) -> int:
@@ -71,6 +72,13 @@ class Trainer:
     def row_extras(self) -> Dict[str, Any]:
         """Extra fields for the system's row (rank 0's), e.g. a peer's version."""
         return {}
+
+    def compile(self, backend: str) -> None:
+        """torch.compile what micro_step calls, after the system has wrapped or sharded the model (the order a
+        user's script has: prepare, then compile)."""
+        import torch
+
+        self.model = torch.compile(self.model, backend=backend)
 
 
 def cpu_count() -> int:

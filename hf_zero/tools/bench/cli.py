@@ -9,8 +9,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 from .base import Settings, cpu_count, extensions_dir, write_json_line
 from .load import LOAD_PRESETS, add_load_arguments, resolve_model_config, run_load
-from .runner import (DEFAULT_TIMEOUT_S, PRESETS, RANKS_PER_HOST_FLAG, SYSTEMS, log, max_positions,
-                     build_config, run_system, skipped_row)
+from .runner import (COMPILED, DEFAULT_TIMEOUT_S, PRESETS, RANKS_PER_HOST_FLAG, SYSTEMS, base_system, log,
+                     max_positions, build_config, run_system, skipped_row)
 
 
 # ====================================================================================================== table
@@ -89,6 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "hpz_partition_size=K), as if the ranks ran on hosts of K; 1 < K < N dividing N "
                              "(default N//2 for an even N >= 4; otherwise those rows are skipped). The run itself "
                              "is on this one host, so its inter-host traffic is 0")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="also run each system with torch.compile(BACKEND) applied after it wraps or shards the "
+                             "model (default backend inductor; aot_eager compiles faster): a '<system>+compile' row "
+                             "beside each eager one, with its graph breaks; the first (warmup) step compiles")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first (default 1)")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank per micro-batch (default 2)")
@@ -134,7 +138,7 @@ def _parse_systems(text: str) -> List[str]:
 def _run_one(i: int, system: str, systems: List[str], settings: Settings) -> Dict[str, Any]:
     """One system's row: skipped when its optional extra is missing, else run in its own worker group."""
     tag = f"[{i + 1}/{len(systems)}] {system}"
-    spec = SYSTEMS[system]
+    spec = SYSTEMS[base_system(system)[0]]
     reason = spec.unavailable(settings) if spec.unavailable is not None else None
     if reason is not None:
         log(f"{tag} skipped: {reason}")
@@ -157,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
         return run_load(args)  # load.py: from a save_pretrained folder to a sharded model, per system
     try:
         systems = _parse_systems(args.systems)
+        if getattr(args, "compile", None):
+            systems = [name for s in systems for name in (s, s + COMPILED)]  # eager and compiled side by side
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "num_processes", "ranks_per_host"):
             if getattr(args, name, None) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -188,13 +194,14 @@ def run(args: argparse.Namespace) -> int:
         mixed_precision=args.mixed_precision, num_processes=world, lr=args.lr, seed=args.seed,
         timeout_s=args.timeout, threads_per_rank=max(1, cpu_count() // world),
         ranks_per_host=getattr(args, "ranks_per_host", None),
+        compile_backend=getattr(args, "compile", None) or "inductor",
     )
     log(f"model {model_name}, world {world} ({'nccl' if torch.cuda.is_available() else 'gloo'}), "
          f"batch {settings.batch_size} x seq {settings.seq_len} x accum {settings.grad_accum} per rank, "
          f"{settings.warmup} warmup + {settings.steps} timed steps, mixed precision {settings.mixed_precision}, "
          f"{settings.threads_per_rank} threads per rank")
 
-    with extensions_dir(any(SYSTEMS[name].jit_extensions for name in systems)):
+    with extensions_dir(any(SYSTEMS[base_system(name)[0]].jit_extensions for name in systems)):
         rows = [_run_one(i, system, systems, settings) for i, system in enumerate(systems)]
 
     ddp = next((r for r in rows if r["system"] == "ddp" and r["status"] == "ok"), None)
@@ -203,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
         r["x_ddp"] = r["tokens_per_s"] / ddp["tokens_per_s"] if ok else None
 
     table = format_table(rows)
+    compiled = [r for r in rows if r.get("graph_breaks") is not None]
+    if compiled:
+        table += "\n" + "\n".join(f"{r['system']}: {r['graph_breaks']} graph breaks, {r['graphs_compiled']} graphs "
+                                  f"({r['compile_backend']})" for r in compiled)
     to_stdout = args.json != "-"
     print(table, file=sys.stdout if to_stdout else sys.stderr, flush=True)
 

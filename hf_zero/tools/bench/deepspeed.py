@@ -281,6 +281,9 @@ class DeepSpeedTrainer(Trainer):
     def optimizer_step(self) -> None:
         """Done by engine.step() on the final micro-batch."""
 
+    def compile(self, backend: str) -> None:
+        self.engine.compile(backend=backend)  # DeepSpeed's own entry: it compiles the module inside its engine
+
     def _record_states(self) -> None:
         # After a backward every state is live (gradients reduced, not yet freed by the step); keep the largest.
         now = model_state_bytes(self.engine)

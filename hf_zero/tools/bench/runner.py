@@ -48,6 +48,12 @@ from .trainers import DDPTrainer, FSDP2Trainer, HfZeroTrainer, ZeroRedundancyTra
 HF_ZERO_PREFIX = "zero"  # zero0..zero3 (and zero*-hsdp, zero3-hpz) are hf_zero; their failure fails the command
 RANKS_PER_HOST_FLAG = "--ranks-per-host"
 DEFAULT_TIMEOUT_S = 1800
+COMPILED = "+compile"  # "<system>+compile": the same system with torch.compile applied after it wraps the model
+
+
+def base_system(name: str) -> Tuple[str, bool]:
+    """("zero3", True) for "zero3+compile": the registry entry a row runs, and whether it is compiled."""
+    return (name[:-len(COMPILED)], True) if name.endswith(COMPILED) else (name, False)
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     # GPT-2 small (124M): the shapes of the `gpt2` checkpoint, built from scratch.
@@ -351,7 +357,8 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
 
     quiet()
     s = ctx.settings
-    spec = SYSTEMS[system]
+    base, compiled = base_system(system)
+    spec = SYSTEMS[base]
     config = build_config(s.model_config)
     torch.manual_seed(s.seed)  # every rank and every system starts from the same weights
     model = causal_lm_from_config(config).to(ctx.device)
@@ -366,6 +373,11 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
     data = torch.randint(0, vocab, (n_micro, s.batch_size, s.seq_len), generator=gen).to(ctx.device)
 
     trainer = spec.build(model, ctx)
+    if compiled:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        trainer.compile(s.compile_backend)
 
     def sync() -> None:
         if ctx.device.type == "cuda":
@@ -443,7 +455,18 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
         "note": spec.note,
         **extra,
         **trainer.row_extras(),
+        **(_compile_fields(s.compile_backend) if compiled else {}),
     }
+
+
+def _compile_fields(backend: str) -> Dict[str, Any]:
+    """How dynamo split the compiled model on this rank: graph breaks (with their reasons) and graphs compiled."""
+    from torch._dynamo.utils import counters
+
+    breaks = dict(counters["graph_break"])
+    return {"compile_backend": backend, "graph_breaks": int(sum(breaks.values())),
+            "graph_break_reasons": {k[:200]: int(v) for k, v in breaks.items()},
+            "graphs_compiled": int(counters["stats"].get("unique_graphs", 0))}
 
 
 def _worker(rank: int, world_size: int, port: int, system: str, settings: Settings, out_dir: str) -> None:
@@ -482,7 +505,7 @@ def run_system(system: str, settings: Settings) -> Dict[str, Any]:
             error = (f"timed out after {settings.timeout_s:.0f}s" if timed_out
                      else f"no result; worker exit codes {codes}")
         row = {"system": system, "status": "error: " + error_summary(error), "error": error,
-               "hf_zero": SYSTEMS[system].hf_zero}
+               "hf_zero": SYSTEMS[base_system(system)[0]].hf_zero}
     for name in os.listdir(out_dir):
         os.remove(os.path.join(out_dir, name))
     os.rmdir(out_dir)
@@ -491,5 +514,5 @@ def run_system(system: str, settings: Settings) -> Dict[str, Any]:
 
 def skipped_row(system: str, reason: str) -> Dict[str, Any]:
     """The row of a system that did not run here (an optional peer that is not installed)."""
-    spec = SYSTEMS[system]
+    spec = SYSTEMS[base_system(system)[0]]
     return {"system": system, "status": "skipped", "reason": reason, "hf_zero": spec.hf_zero, "note": spec.note}
