@@ -76,8 +76,9 @@ HIERARCHICAL = "hierarchical"  # --systems alias: hf_zero's HSDP and hpZ systems
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--preset", choices=sorted({**PRESETS, **LOAD_PRESETS}), default=None,
-                       help="model shapes: gpt2 = GPT-2 small (124M), tiny = a ~141K-parameter GPT-2, llama270m = "
-                            "a ~271M-parameter Llama for manual --load runs (default: gpt2)")
+                       help="model shapes: gpt2 = GPT-2 small (124M), gpt2-5m = a ~5.4M-parameter GPT-2 (4 x 256: "
+                            "per-step overhead), tiny = a ~141K-parameter GPT-2, llama270m = a ~271M-parameter Llama "
+                            "for manual --load runs (default: gpt2)")
     model.add_argument("--config", default=None, metavar="PATH",
                        help="a Transformers config.json (with model_type) to build the causal LM from")
     parser.add_argument("--systems", default="all",

@@ -58,6 +58,9 @@ def base_system(name: str) -> Tuple[str, bool]:
 PRESETS: Dict[str, Dict[str, Any]] = {
     # GPT-2 small (124M): the shapes of the `gpt2` checkpoint, built from scratch.
     "gpt2": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12),
+    # A GPT-2 of ~5.4M parameters (4 layers x 256, vocabulary 8192): per-step overhead shows here, not at 124M.
+    "gpt2-5m": dict(model_type="gpt2", vocab_size=8192, n_positions=512, n_embd=256, n_layer=4, n_head=4,
+                    bos_token_id=0, eos_token_id=0),
     # A GPT-2 of ~141K parameters for tests and smoke runs.
     "tiny": dict(model_type="gpt2", vocab_size=512, n_positions=128, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
                  eos_token_id=0),
