@@ -48,7 +48,8 @@ def words(n):
 if args.trainer == "sft":
     trainer_class, config_class = SFTTrainer, SFTConfig
     data = {"text": [words(12) for _ in range(48)]}
-    extra = {"max_length": 16}
+    # said, not inherited: SFT + LoRA with gradient checkpointing is what the tests pin (TRL 1.16's default)
+    extra = {"max_length": 16, "gradient_checkpointing": True}
 else:
     trainer_class, config_class = DPOTrainer, DPOConfig
     data = {"prompt": [words(6) for _ in range(48)], "chosen": [words(4) for _ in range(48)],
