@@ -1,7 +1,9 @@
-"""Comm's all-gather and reduce-scatter against torch's own collectives and a local sum, at world sizes 1-4.
+"""Comm's all-gather and reduce-scatter against torch's own collectives and a local sum, at world sizes 1-4, with
+every collectives strategy.
 
-On gloo, Comm issues these as per-chunk broadcasts and reduces (see hf_zero/comm.py). The inputs are small
-integers stored as floats, so every summation order gives the same bits and results can be compared exactly.
+On gloo, "auto" issues these as per-chunk broadcasts and reduces (engine/collectives/chunked.py); "flat" as one
+all_gather_into_tensor / reduce_scatter_tensor each, the form NCCL runs (flat.py). The inputs are small integers
+stored as floats, so every summation order gives the same bits and results can be compared exactly.
 """
 import pytest
 import torch
@@ -11,6 +13,7 @@ from _dist import DistResults
 from hf_zero.engine.comm import Comm, gloo_device_types
 
 WORLD_SIZES = (1, 2, 3, 4)
+STRATEGIES = ("auto", "flat", "chunked")
 CHUNK = 37  # odd, so chunks do not line up with any power-of-two boundary
 
 
@@ -19,8 +22,8 @@ def _rank_input(rank: int, numel: int) -> torch.Tensor:
     return torch.randint(-50, 50, (numel,), generator=g).float()
 
 
-def collectives(rank, world_size):
-    comm = Comm()
+def collectives(rank, world_size, strategy="auto"):
+    comm = Comm(collectives=strategy)
     n = CHUNK * world_size
     out = {}
 
@@ -47,42 +50,54 @@ def collectives(rank, world_size):
     dist.all_gather_into_tensor(native_full, shard)
     out["ag"], out["ag_in_place"], out["ag_native"] = full, full2, native_full
     out["ledger"] = comm.snapshot()
+    out["by_strategy"] = comm.ledger.by_strategy()
+    out["chosen"] = comm.strategy("cpu").name
     return out
 
 
 @pytest.fixture(scope="module")
 def dist_results():
-    return DistResults(lambda world_size: [("collectives", collectives, {})])
+    return DistResults(lambda world_size: [(f"collectives-{s}", collectives, {"strategy": s}) for s in STRATEGIES])
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_reduce_scatter_equals_sum_of_every_ranks_chunk(dist_results, world_size):
+def test_reduce_scatter_equals_sum_of_every_ranks_chunk(dist_results, world_size, strategy):
     n = CHUNK * world_size
     total = sum(_rank_input(r, n) for r in range(world_size))
-    for rank, res in enumerate(dist_results(world_size, "collectives")):
+    for rank, res in enumerate(dist_results(world_size, f"collectives-{strategy}")):
         expected = total[rank * CHUNK:(rank + 1) * CHUNK]
         for key in ("rs", "rs_in_place", "rs_native", "rs_on_done"):
             assert torch.equal(res[key], expected), (rank, key)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_all_gather_equals_concatenation(dist_results, world_size):
+def test_all_gather_equals_concatenation(dist_results, world_size, strategy):
     expected = torch.cat([_rank_input(r, CHUNK) for r in range(world_size)])
-    for res in dist_results(world_size, "collectives"):
+    for res in dist_results(world_size, f"collectives-{strategy}"):
         for key in ("ag", "ag_in_place", "ag_native"):
             assert torch.equal(res[key], expected), key
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_ledger_books_the_logical_collective(dist_results, world_size):
+def test_ledger_books_the_logical_collective(dist_results, world_size, strategy):
+    """The same counts whatever the strategy, and beside them the same per strategy ("auto" is chunked on gloo)."""
     n = CHUNK * world_size
-    for res in dist_results(world_size, "collectives"):
+    chosen = "chunked" if strategy == "auto" else strategy
+    for res in dist_results(world_size, f"collectives-{strategy}"):
+        assert res["chosen"] == chosen
         ledger = res["ledger"]
         # one host: every element is intra-host
         want = {"calls": 2, "elements": 2 * n, "bytes": 2 * n * 4, "intra_elements": 2 * n, "intra_bytes": 2 * n * 4,
                 "inter_elements": 0, "inter_bytes": 0}
         assert ledger["reduce_scatter"] == want
         assert ledger["all_gather"] == want
+        assert set(res["by_strategy"]) == {chosen}
+        mine = res["by_strategy"][chosen]
+        assert mine["reduce_scatter"] == mine["all_gather"] == want
+        assert mine["total"] == ledger["total"]
 
 
 @pytest.mark.parametrize("backend,expected", [

@@ -9,70 +9,39 @@ one host is booked intra, one over a group that spans hosts inter (the ring algo
 ring carries the full per-rank volume, so a ring that leaves the host runs at the inter-host link's speed). The
 engine's several groups (world, HSDP partition and replica groups, hpZ host groups) share one Ledger.
 
-On gloo the two ZeRO collectives are issued as their per-chunk halves: an all-gather as one broadcast per
-rank of its chunk, a reduce-scatter as one reduce per chunk to the rank that owns it. Both work in place on
-the caller's buffer. torch's gloo backend has no reduce-scatter of its own (it clones the input and
-all-reduces it, 2Ψ on the wire) and gathers into a temporary it then copies out; per chunk, the elements
-moved are the paper's Ψ and nothing is copied. The ledger books the logical collective either way.
+How a collective goes on the wire (flat, per-chunk, ...) is a `Collectives` strategy (engine/collectives/), one per
+device type, chosen once from `ZeroConfig.collectives`; Comm adds what every strategy shares: the fingerprint
+check and the ledger. The ledger books the logical collective (paper counting) whatever the strategy, and beside
+it, per strategy, the bytes the strategy put on the wire (`Ledger.by_strategy`).
 """
 from __future__ import annotations
 
 import weakref
 from collections import defaultdict
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional, Set, Union
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from .collectives import Chain, Collectives, Handle, choose, gloo_device_types, wait_all
+
+__all__ = ["Chain", "CollectiveMismatchError", "Comm", "DATA_KINDS", "Handle", "Ledger", "gloo_device_types",
+           "groups_seen", "wait_all"]
+
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-# torch 2.13 renamed the flat collectives (the old names warn); older torch only has the old ones.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks issued different collectives (the call that would otherwise hang)."""
 
 
-class Handle:
-    """An issued collective (one or more works); `wait()` blocks for it and then runs the completion step (once)."""
-
-    def __init__(self, work: Union[None, dist.Work, List[dist.Work]],
-                 on_done: Optional[Callable[[], None]] = None) -> None:
-        self._works = [] if work is None else work if isinstance(work, list) else [work]
-        self._on_done, self.done = on_done, False
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        for work in self._works:
-            work.wait()
-        self.done = True
-        if self._on_done is not None:
-            self._on_done()
-
-
-class Chain(Handle):
-    """A collective issued when another completes (HSDP: the replicas' all-reduce of a reduce-scattered shard).
-    The second collective is issued by `wait()`, which every rank calls in the same order."""
-
-    def __init__(self, first: Handle, then: Callable[[], Handle], on_done: Optional[Callable[[], None]] = None):
-        super().__init__(None, on_done)
-        self._first, self._then = first, then
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        self._first.wait()
-        self._then().wait()
-        self.done = True
-        if self._on_done is not None:
-            self._on_done()
-
-
 class Ledger:
-    """Calls, elements (paper counting) and bytes per collective kind, each split into intra- and inter-host."""
+    """Calls, elements (paper counting) and bytes per collective kind, each split into intra- and inter-host.
+
+    Beside it (`by_strategy`), the same per strategy (`Collectives.name`) and kind, whose bytes are what the
+    strategy put on the wire (its `wire_bytes`: the logical bytes for flat and chunked, fewer for a quantizing
+    one); "total" per strategy sums its data kinds."""
 
     KEYS = ("calls", "elements", "bytes", "intra_elements", "inter_elements", "intra_bytes", "inter_bytes")
 
@@ -80,32 +49,53 @@ class Ledger:
         self.reset()
 
     def reset(self) -> None:
-        self.stats: Dict[str, Dict[str, int]] = defaultdict(lambda: dict.fromkeys(Ledger.KEYS, 0))
+        self.stats: Dict[str, Dict[str, int]] = defaultdict(_entry)
+        self.strategies: Dict[str, Dict[str, Dict[str, int]]] = defaultdict(lambda: defaultdict(_entry))
 
-    def record(self, kind: str, elements: int, element_size: int, inter_host: bool) -> None:
-        entry = self.stats[kind]
+    def record(self, kind: str, elements: int, element_size: int, inter_host: bool, strategy: str = "",
+               wire_bytes: Optional[int] = None) -> None:
         where = "inter" if inter_host else "intra"
-        entry["calls"] += 1
-        for prefix in ("", f"{where}_"):
-            entry[f"{prefix}elements"] += elements
-            entry[f"{prefix}bytes"] += elements * element_size
+        _add(self.stats[kind], where, elements, elements * element_size)
+        if strategy:
+            _add(self.strategies[strategy][kind], where, elements,
+                 elements * element_size if wire_bytes is None else wire_bytes)
 
     def snapshot(self) -> Dict[str, Dict[str, int]]:
-        out = {k: dict(v) for k, v in self.stats.items()}
-        out["total"] = {key: sum(v[key] for k, v in self.stats.items() if k in DATA_KINDS) for key in Ledger.KEYS}
-        return out
+        return _with_total(self.stats)
+
+    def by_strategy(self) -> Dict[str, Dict[str, Dict[str, int]]]:
+        """{strategy: {kind: counters, ..., "total": counters of the data kinds}}; bytes as sent."""
+        return {name: _with_total(kinds) for name, kinds in self.strategies.items()}
+
+
+def _entry() -> Dict[str, int]:
+    return dict.fromkeys(Ledger.KEYS, 0)
+
+
+def _add(entry: Dict[str, int], where: str, elements: int, nbytes: int) -> None:
+    entry["calls"] += 1
+    for prefix in ("", f"{where}_"):
+        entry[f"{prefix}elements"] += elements
+        entry[f"{prefix}bytes"] += nbytes
+
+
+def _with_total(stats: Dict[str, Dict[str, int]]) -> Dict[str, Dict[str, int]]:
+    out = {k: dict(v) for k, v in stats.items()}
+    out["total"] = {key: sum(v[key] for k, v in stats.items() if k in DATA_KINDS) for key in Ledger.KEYS}
+    return out
 
 
 class Comm:
     """The process group the engine talks over. Without torch.distributed initialised it is a one-rank world.
 
     `spans_hosts`: whether the group's ranks run on more than one host (set by the topology; books the ledger's
-    inter-host column)."""
+    inter-host column). `collectives`: how its all-gathers and reduce-scatters go on the wire ("auto", "flat",
+    "chunked": engine/collectives/), resolved once per device type (`strategy`)."""
 
     _instances = 0
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, debug: bool = False, debug_timeout_s: float = 120,
-                 ledger: Optional[Ledger] = None):
+                 ledger: Optional[Ledger] = None, collectives: str = "auto"):
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group
         self.rank = dist.get_rank(group) if self.distributed else 0
@@ -116,13 +106,14 @@ class Comm:
         # Engines are built in the same order on every rank, so this numbers them alike: store keys of one engine
         # never meet another's.
         Comm._instances += 1
-        self._gloo_devices = gloo_device_types(str(dist.get_backend(group))) if self.distributed else set()
         self._global_ranks = ([dist.get_global_rank(group, r) if group is not None else r
                                for r in range(self.world_size)] if self.distributed else [0])
         # ...and the group's members tell apart the engines of different subgroups (tp x dp meshes)
         self._prefix = f"hfz/{Comm._instances}/{'-'.join(map(str, self._global_ranks))}"
         self.ledger = ledger if ledger is not None else Ledger()
         self.spans_hosts = False
+        self.collectives = collectives
+        self._strategies: Dict[str, Collectives] = {}
         if group is not None:
             _groups_seen.add(group)
 
@@ -139,8 +130,10 @@ class Comm:
     def reset_stats(self) -> None:
         self.ledger.reset()
 
-    def _record(self, kind: str, elements: int, element_size: int) -> None:
-        self.ledger.record(kind, elements, element_size, self.spans_hosts)
+    def _record(self, strategy: Collectives, kind: str, tensor: torch.Tensor, elements: int) -> None:
+        if self.distributed:  # a one-rank world without torch.distributed sends nothing
+            self.ledger.record(kind, elements, tensor.element_size(), self.spans_hosts, strategy.name,
+                               strategy.wire_bytes(kind, elements, tensor.dtype))
 
     def snapshot(self) -> Dict[str, Dict[str, int]]:
         return self.ledger.snapshot()
@@ -178,67 +171,42 @@ class Comm:
                 )
 
     # ------------------------------------------------------------------ collectives
+    def strategy(self, device_type: str) -> Collectives:
+        """How this group's collectives on `device_type` tensors go on the wire: chosen on first use, then kept."""
+        chosen = self._strategies.get(device_type)
+        if chosen is None:
+            chosen = self._strategies[device_type] = choose(self.collectives, device_type, self.group, self.rank,
+                                                            self._global_ranks, self.distributed)
+        return chosen
+
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = True) -> Handle:
-        """Concatenate every rank's `inp` into `out` (out.numel() == world * inp.numel())."""
-        if not self.distributed:
-            out.copy_(inp)
-            return Handle(None)
+        """Concatenate every rank's `inp` into `out` (out.numel() == world * inp.numel()); `inp` may be `out`'s
+        own chunk `rank`."""
+        strategy = self.strategy(out.device.type)
         self._check("all_gather", tag, out.numel())
-        self._record("all_gather", out.numel(), out.element_size())
-        if out.device.type not in self._gloo_devices:
-            return Handle(_ALL_GATHER(out, inp, group=self.group, async_op=async_op))
-        chunks = out.view(-1).chunk(self.world_size)
-        mine = chunks[self.rank]
-        if mine.data_ptr() != inp.data_ptr():  # stages 1/2 gather in place: the shard already is this chunk
-            mine.copy_(inp.view(-1))
-        works = [dist.broadcast(c, self._global_ranks[r], group=self.group, async_op=True)
-                 for r, c in enumerate(chunks)]
-        return self._issued(works, None, async_op)
+        self._record(strategy, "all_gather", out, out.numel())
+        return strategy.all_gather(out, inp, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = True,
                        on_done: Optional[Callable[[], None]] = None) -> Handle:
         """Sum `inp` over ranks and leave chunk `rank` of the sum in `out`.
 
-        `inp` is scratch: afterwards its contents are unspecified (on gloo it is reduced in place). `out` may be
+        `inp` is scratch: afterwards its contents are unspecified (per chunk it is reduced in place). `out` may be
         `inp`'s own chunk `rank`, which saves a copy and a buffer.
         """
-        if not self.distributed:
-            out.copy_(inp)
-            return Handle(None, on_done)
+        strategy = self.strategy(inp.device.type)
         self._check("reduce_scatter", tag, inp.numel())
-        self._record("reduce_scatter", inp.numel(), inp.element_size())
-        if inp.device.type not in self._gloo_devices:
-            work = _REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-            return Handle(work, on_done)
-        chunks = inp.view(-1).chunk(self.world_size)
-        works = [dist.reduce(c, self._global_ranks[r], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-                 for r, c in enumerate(chunks)]
-        mine = chunks[self.rank]
-
-        def finish() -> None:
-            if mine.data_ptr() != out.data_ptr():
-                out.copy_(mine.view_as(out))
-            if on_done is not None:
-                on_done()
-
-        return self._issued(works, finish, async_op)
-
-    @staticmethod
-    def _issued(works: List[dist.Work], on_done: Optional[Callable[[], None]], async_op: bool) -> Handle:
-        handle = Handle(works, on_done)
-        if not async_op:
-            handle.wait()
-        return handle
+        self._record(strategy, "reduce_scatter", inp, inp.numel())
+        return strategy.reduce_scatter(out, inp, async_op, on_done)
 
     def all_reduce(self, tensor: torch.Tensor, tag: str = "", async_op: bool = True,
                    on_done: Optional[Callable[[], None]] = None, control: bool = False,
                    op: dist.ReduceOp = dist.ReduceOp.SUM) -> Handle:
         """Sum (or `op`) `tensor` over ranks in place; `control=True` books it outside the data ledger."""
-        if not self.distributed:
-            return Handle(None, on_done)
+        strategy = self.strategy(tensor.device.type)
         self._check("all_reduce", tag, tensor.numel())
-        self._record("control" if control else "all_reduce", 2 * tensor.numel(), tensor.element_size())
-        return Handle(dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op), on_done)
+        self._record(strategy, "control" if control else "all_reduce", tensor, 2 * tensor.numel())
+        return strategy.all_reduce(tensor, op, async_op, on_done)
 
     def agree(self, error: Optional[str], tag: str = "") -> Optional[str]:
         """Collective: every rank's error (or None); returns "rank r: error" for the first rank that had one, so
@@ -272,20 +240,3 @@ def _unit_of(description: str) -> Optional[str]:
     """The stage-3 unit a collective's description names ("... for params of unit NAME"), if any."""
     marker = "for params of unit "
     return description.split(marker, 1)[1] if marker in description else None
-
-
-def gloo_device_types(backend: str) -> Set[str]:
-    """The device types whose collectives a group with this backend string ("gloo", "nccl",
-    "cpu:gloo,cuda:nccl") runs on gloo."""
-    backend = backend.lower()
-    if ":" not in backend:
-        return {"cpu", "cuda"} if backend == "gloo" else set()
-    pairs = (item.split(":", 1) for item in backend.split(","))
-    return {device.strip() for device, name in pairs if name.strip() == "gloo"}
-
-
-def wait_all(handles: List[Handle]) -> None:
-    """Wait for every handle in issue order and empty the list."""
-    for h in handles:
-        h.wait()
-    handles.clear()
