@@ -61,6 +61,8 @@ class ZeroEngine:
                        else _default_device(model, process_group, record is not None))
         if self.device.type == "cpu":
             self.device = torch.device("cpu")  # Accelerate says "cpu:0"; CPU tensors report "cpu"
+        # how each group's collectives go on the wire (config.collectives), chosen once for the engine's device
+        self.collectives = {comm.strategy(self.device.type).name for comm in self.topology.comms()}
         self._check_optimizer(model, optimizer)
         self.plan: ShardPlan = plan_model(model, self.comm.world_size, config, self.partition_comm.world_size)
         self.pool = BufferPool()
@@ -70,7 +72,7 @@ class ZeroEngine:
             self.groups = self._build_groups()
         self.reducer = Reducer(
             self.groups, config.stage, self.partition_comm, self.pool, max_inflight_bytes=4 * config.reduce_bucket_size,
-            replicas=self.topology.replicas, world_size=self.comm.world_size,
+            route=self.topology.reduce_route(), world_size=self.comm.world_size,
             reduce_dtype=config.reduce_torch_dtype, on_launch=self._on_group_launched, on_backward_end=self._on_backward_end,
         )
         self.gathered = GatheredBytes()
@@ -195,18 +197,19 @@ class ZeroEngine:
 
     def _build_gatherer(self) -> Gatherer:
         modules = dict([("", self.model)] + find_unit_modules(self.model, self.config.units))
-        units = [Unit(u.index, u.name, modules[u.name], [self.groups[i] for i in u.groups], self.partition_comm,
-                      self.gathered, is_root=(u.name == ""), secondary=self.topology.secondary)
-                 for u in self.plan.units]
+        units = [Unit(u.index, u.name, modules[u.name], [self.groups[i] for i in u.groups],
+                      self.topology.gather_route(self.gathered, is_root=(u.name == "")), self.gathered,
+                      is_root=(u.name == "")) for u in self.plan.units]
         return Gatherer(units, self.config.prefetch, self.gathered,
                         on_backward_start=self.reducer.queue_end_of_backward)
 
     def _log_plan(self) -> None:
         mem = self.memory_stats()
         logger.info(
-            "hf_zero: %s; %s; reduce bucket %d B, all-gather bucket %d B, prefetch %d; model states on this rank: "
-            "%.1f MiB (params %.1f, grads %.1f, master %.1f, optimizer %.1f)",
-            self.plan.describe(), self.topology.describe(), self.config.reduce_bucket_size, self.config.allgather_bucket_size,
+            "hf_zero: %s; %s; %s collectives; reduce bucket %d B, all-gather bucket %d B, prefetch %d; model states "
+            "on this rank: %.1f MiB (params %.1f, grads %.1f, master %.1f, optimizer %.1f)",
+            self.plan.describe(), self.topology.describe(), "/".join(sorted(self.collectives)),
+            self.config.reduce_bucket_size, self.config.allgather_bucket_size,
             self.config.prefetch, mem["model_states"] / 2**20, mem["params"] / 2**20, mem["grads"] / 2**20,
             mem["master"] / 2**20, mem["optimizer_states"] / 2**20,
         )
@@ -271,6 +274,11 @@ class ZeroEngine:
     def comm_stats(self) -> Dict[str, Dict[str, int]]:
         """Cumulative calls, elements (paper counting) and bytes per collective kind, plus "total" (data only)."""
         return self.comm.snapshot()
+
+    def comm_stats_by_strategy(self) -> Dict[str, Dict[str, Dict[str, int]]]:
+        """The same counters per collectives strategy ("flat", "chunked", ...) and kind, bytes as each strategy
+        sent them, intra-/inter-host as in `comm_stats`, plus "total" (data only) per strategy."""
+        return self.comm.ledger.by_strategy()
 
     def reset_comm_stats(self) -> None:
         self.comm.reset_stats()

@@ -12,11 +12,12 @@ Hooks per unit module:
 - release after backward: when the unit's trainable groups have been handed to the reducer and the backward
   has reached the unit's inputs; whatever is left is released when autograd finishes.
 
-hpZ (ZeRO++'s hierarchical partition): when a unit is released after a forward that a backward will follow, each
-rank first keeps its slice of the gathered parameters over its host group (the secondary shard, 1/K of the unit);
-the backward's all-gather (and a recomputation's) then runs inside the host from those slices. The secondary shard
-goes at the release after the backward, at the end of the backward, and is never used once the step has
-changed the shards (each group's `version`).
+Where a unit's all-gather comes from is its gather route (engine/collectives/hierarchical.py), chosen once when
+the engine is built: plain, every rank's shard over the partition group; hpZ (ZeRO++'s hierarchical partition),
+which keeps each rank's slice of the gathered parameters over its host group when a unit is released after a
+forward that a backward will follow (`keep`), runs the backward's all-gather (and a recomputation's) inside the
+host from those slices, and drops them at the release after the backward, at the end of the backward, or once the
+step has changed the shards (`refresh`, each group's `version`).
 
 Transformers checkpoints a layer's `forward`, not its `__call__`, so these hooks do not run again during
 recomputation; the gradient hook on the outputs has already gathered the parameters by then. A checkpoint around
@@ -28,14 +29,15 @@ is the one the backward runs through).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .buffers import FlatGroup
-from .comm import Comm, Handle, wait_all
+from .collectives.hierarchical import PartitionGather
+from .comm import Handle, wait_all
 
 
 class GatheredBytes:
@@ -75,14 +77,10 @@ class Unit:
 
     SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
 
-    def __init__(self, index: int, name: str, module: nn.Module, groups: List[FlatGroup], comm: Comm,
-                 meter: GatheredBytes, is_root: bool = False, secondary: Optional[Comm] = None) -> None:
+    def __init__(self, index: int, name: str, module: nn.Module, groups: List[FlatGroup], route: PartitionGather,
+                 meter: GatheredBytes, is_root: bool = False) -> None:
         self.index, self.name, self.module, self.groups = index, name or "<root>", module, groups
-        self.comm, self.meter = comm, meter
-        # hpZ: the host group, and this rank's slice of each group over it (with the shard version it was cut at)
-        self.secondary = secondary if secondary is not None and not is_root else None
-        self._slices: Optional[List[torch.Tensor]] = None
-        self._versions: List[int] = []
+        self.route, self.meter = route, meter  # where the all-gathers come from: plain or hpZ
         self._gathered_at: List[int] = []  # the shards' versions the current gather was made from
         self.state = Unit.SHARDED
         self.handles: List[Handle] = []
@@ -96,18 +94,11 @@ class Unit:
     def issue_gather(self) -> None:
         if self.state != Unit.SHARDED:
             return
-        if self._slices is not None and self._versions != [g.version for g in self.groups]:
-            self.drop_secondary()  # the step changed the shards since the slices were cut
-        for i, group in enumerate(self.groups):
+        self.route.refresh(self.groups)
+        for group in self.groups:
             full = group.alloc_full()
             self.meter.add(group.gathered_bytes)
-            if self._slices is not None:  # hpZ: inside the host, from the secondary slices
-                self.handles.append(self.secondary.all_gather(full, self._slices[i],
-                                                              f"params of unit {self.name} (hpZ)"))
-                continue
-            local = full[group.lo:group.hi]
-            local.copy_(group.shard, non_blocking=True)  # from CPU when parameters are offloaded
-            self.handles.append(self.comm.all_gather(full, local, f"params of unit {self.name}"))
+            self.handles.append(self.route.all_gather(group, full, f"params of unit {self.name}"))
         self.state = Unit.GATHERING
         self._gathered_at = [g.version for g in self.groups]
 
@@ -121,22 +112,12 @@ class Unit:
             self.release()
 
     def keep_secondary(self) -> None:
-        """hpZ: keep this rank's slice of every gathered group over the host group (before a release that a
-        backward will follow)."""
-        if self.secondary is None or self._slices is not None or self.state != Unit.GATHERED:
-            return
-        k, j = self.secondary.world_size, self.secondary.rank
-        self._slices = []
-        for group in self.groups:
-            size = group.plan.padded_numel // k
-            self._slices.append(group.full[j * size:(j + 1) * size].clone())
-            self.meter.add_secondary(size * group.full.element_size())
-        self._versions = [g.version for g in self.groups]
+        """Before a release that a backward will follow: the route keeps what the backward gathers from (hpZ)."""
+        if self.state == Unit.GATHERED:
+            self.route.keep(self.groups)
 
     def drop_secondary(self) -> None:
-        if self._slices is not None:
-            self.meter.add_secondary(-sum(t.numel() * t.element_size() for t in self._slices))
-            self._slices = None
+        self.route.drop()
 
     def wait_gather(self) -> None:
         self.issue_gather()

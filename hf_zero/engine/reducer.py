@@ -18,19 +18,19 @@ returns, so no collective of the reducer's is left in flight. Sums are divided b
 `finalize()`, which only the step (and a clip outside no_sync()) calls. "The end of the backward" is the end of the
 outermost one: a nested backward (reentrant activation checkpointing) ending inside it is not (`_end_of_backward`).
 
-HSDP (a partition group of K ranks, replicated): the reduce-scatter runs over the partition group, and the owned
-range it leaves is then all-reduced over the replicas (the ranks holding the same range in the other groups),
-so the shard holds the sum over all N ranks. The all-reduce is chained to the reduce-scatter's completion.
+Every reduce-scatter goes through the reduce route chosen when the engine was built (engine/collectives/
+hierarchical.py): the partition group's own, or under HSDP the reduce-scatter over the partition group chained to
+the all-reduce of the owned range over the replicas, so the shard holds the sum over all N ranks.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Protocol
 
 import torch
 from torch import nn
 
 from .buffers import BufferPool, FlatGroup
-from .comm import Chain, Comm, Handle
+from .comm import Comm, Handle
 
 
 def _enclosing_node():
@@ -39,6 +39,13 @@ def _enclosing_node():
     runs inside a node's backward, e.g. torch.utils.checkpoint with use_reentrant=True)."""
     current = getattr(torch._C, "_current_autograd_node", None)
     return current() if current is not None else None
+
+
+class ReduceRoute(Protocol):
+    """What the reducer reduce-scatters through: a Comm, or a hierarchical route (collectives/hierarchical.py)."""
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "",
+                       on_done: Optional[Callable[[], None]] = None) -> Handle: ...
 
 
 class _GroupState:
@@ -64,10 +71,10 @@ class Reducer:
     def __init__(self, groups: List[FlatGroup], stage: int, comm: Comm, pool: BufferPool,
                  max_inflight_bytes: int, reduce_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: d,
                  on_launch: Optional[Callable[[FlatGroup], None]] = None,
-                 on_backward_end: Optional[Callable[[], None]] = None, replicas: Optional[Comm] = None,
+                 on_backward_end: Optional[Callable[[], None]] = None, route: Optional[ReduceRoute] = None,
                  world_size: Optional[int] = None) -> None:
         self.stage, self.comm, self.pool = stage, comm, pool
-        self.replicas = replicas if replicas is not None and replicas.world_size > 1 else None
+        self.route: ReduceRoute = route if route is not None else comm  # reduce-scatters: plain or HSDP
         self.world_size = world_size or comm.world_size  # N: every rank's gradient is in the sum
         self.states = [_GroupState(g, reduce_dtype(g.plan.dtype) if stage >= 2 else g.plan.dtype, self.world_size,
                                    stage) for g in groups if g.plan.trainable]
@@ -143,7 +150,7 @@ class Reducer:
         elif self.stage == 1:
             # In place: the owned range of grad_full is the gradient shard, so the sum lands where the step reads it.
             self._clear_stale(st)  # no gradient since the last reduction: contribute zeros outside the owned range
-            st.handle = self._reduce(g.grad_shard, g.grad_full, tag)
+            st.handle = self.route.reduce_scatter(g.grad_shard, g.grad_full, tag)
             st.reduced = True
         else:
             bucket, st.bucket = st.bucket, None
@@ -157,19 +164,11 @@ class Reducer:
                 g.grad_shard.add_(owned)
                 self.pool.give(bucket)
 
-            st.handle = self._reduce(owned, bucket, tag, on_done=done)
+            st.handle = self.route.reduce_scatter(owned, bucket, tag, on_done=done)
         self.inflight.append(st.handle)
         self._throttle()
         if self.on_launch is not None:
             self.on_launch(g)
-
-    def _reduce(self, out: torch.Tensor, inp: torch.Tensor, tag: str,
-                on_done: Optional[Callable[[], None]] = None) -> Handle:
-        """Reduce-scatter over the partition group; under HSDP then all-reduce the owned range over the replicas."""
-        if self.replicas is None:
-            return self.comm.reduce_scatter(out, inp, tag, on_done=on_done)
-        first = self.comm.reduce_scatter(out, inp, tag)
-        return Chain(first, lambda: self.replicas.all_reduce(out, f"{tag} across replicas"), on_done)
 
     def _throttle(self) -> None:
         """C_B: bound the bytes of buckets in flight; wait for the oldest reductions beyond it."""

@@ -12,7 +12,9 @@ N ranks run in hosts of K consecutive ranks (torchrun and `accelerate launch` nu
 
 Every group is made by every rank in the same order (torch.distributed.new_group is collective over the world).
 Each Comm learns whether its group spans hosts from the hostnames, gathered once, which books the ledger's
-inter-host column.
+inter-host column, and puts its collectives on the wire the way `ZeroConfig.collectives` says
+(engine/collectives/). The routes over the groups (plain, HSDP's replicated reduce, hpZ's host-group gather) are
+chosen here too, once: `reduce_route`, `gather_route`.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from typing import List, Optional, Tuple, Union
 import torch.distributed as dist
 
 from ..config import ZeroConfig, ZeroConfigError
+from .collectives.hierarchical import HostGather, PartitionGather, ReplicatedReduce
 from .comm import Comm, Ledger
 
 logger = logging.getLogger("hf_zero")
@@ -50,6 +53,23 @@ class Topology:
     hosts: List[str]
     option: str
     group_size: int
+
+    def reduce_route(self) -> Union[Comm, ReplicatedReduce]:
+        """What gradients are reduce-scattered through: the partition group, or under HSDP that group chained to
+        the replicas' all-reduce."""
+        return self.partition if self.replicas is None else ReplicatedReduce(self.partition, self.replicas)
+
+    def gather_route(self, meter, is_root: bool = False) -> PartitionGather:
+        """Where one stage-3 unit's all-gathers come from: the partition group, or under hpZ (not the root, which
+        stays gathered into its backward) the host group's secondary slices in the backward. `meter`: counts the
+        slices' bytes (`add_secondary`)."""
+        if self.secondary is None or is_root:
+            return PartitionGather(self.partition)
+        return HostGather(self.partition, self.secondary, meter)
+
+    def comms(self) -> List[Comm]:
+        """Every Comm of the engine (world first)."""
+        return [c for c in (self.world, self.partition, self.replicas, self.secondary) if c is not None]
 
     @property
     def num_hosts(self) -> int:
@@ -118,13 +138,13 @@ def _blocks(comm: Comm, k: int, config: ZeroConfig, ledger: Ledger, by_host: boo
         pg = dist.new_group(ranks)
         if members[comm.rank] in ranks:
             mine = pg
-    return Comm(mine, debug=config.debug_collectives, ledger=ledger)
+    return Comm(mine, debug=config.debug_collectives, ledger=ledger, collectives=config.collectives)
 
 
 def build_topology(group: Optional[dist.ProcessGroup], config: ZeroConfig) -> Topology:
     """The engine's groups for `config` over `group` (default: the world); K is checked on every rank alike."""
     ledger = Ledger()
-    world = Comm(group, debug=config.debug_collectives, ledger=ledger)
+    world = Comm(group, debug=config.debug_collectives, ledger=ledger, collectives=config.collectives)
     hosts, local_sizes = _launch_hosts(world)
     n = world.world_size
     option, k = "none", n

@@ -1,0 +1,97 @@
+"""The routes a gradient and a stage-3 parameter take over the engine's groups: plain, HSDP, hpZ.
+
+Each is chosen once when the engine is built (`Topology.reduce_route` / `gather_route`) and composes the Comms the
+topology made, each of which puts its collectives on the wire with its own `Collectives` strategy:
+
+- reduce: plain = the partition Comm's reduce-scatter; HSDP (`ReplicatedReduce`) = the reduce-scatter over the
+  partition group, then the all-reduce of the owned range over the replicas, chained to its completion.
+- gather (stage 3, one per unit): plain (`PartitionGather`) = the rank's shard copied into its chunk of the full
+  buffer, all-gathered over the partition group; hpZ (`HostGather`) = the same, but after a forward that a
+  backward will follow each rank keeps its slice of the gathered buffer over its host group (`keep`), and the
+  backward's all-gather (and a recomputation's) runs inside the host from those slices, until the unit's shards
+  change (`refresh`) or it is released after the backward (`drop`).
+
+The routes see the flat groups (engine/buffers.py `FlatGroup`: `lo`, `hi`, `shard`, `full`, `version`,
+`plan.padded_numel`) and the Comms (engine/comm.py) by their attributes only.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from .base import Chain, Handle
+
+if TYPE_CHECKING:
+    from ..buffers import FlatGroup
+    from ..comm import Comm
+
+
+class ReplicatedReduce:
+    """HSDP: reduce-scatter over the partition group, then all-reduce the owned range over the replicas (the
+    ranks holding the same range in the other groups), so the shard holds the sum over all N ranks."""
+
+    def __init__(self, partition: "Comm", replicas: "Comm") -> None:
+        self.partition, self.replicas = partition, replicas
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "",
+                       on_done: Optional[Callable[[], None]] = None) -> Handle:
+        first = self.partition.reduce_scatter(out, inp, tag)
+        return Chain(first, lambda: self.replicas.all_reduce(out, f"{tag} across replicas"), on_done)
+
+
+class PartitionGather:
+    """Plain stage 3: a unit's groups all-gathered from every rank's shard over the partition group."""
+
+    def __init__(self, comm: "Comm") -> None:
+        self.comm = comm
+
+    def all_gather(self, group: "FlatGroup", full: torch.Tensor, tag: str) -> Handle:
+        local = full[group.lo:group.hi]
+        local.copy_(group.shard, non_blocking=True)  # from CPU when parameters are offloaded
+        return self.comm.all_gather(full, local, tag)
+
+    def refresh(self, groups: Sequence["FlatGroup"]) -> None:
+        """Before a gather: forget what the shards' changes made stale (nothing here)."""
+
+    def keep(self, groups: Sequence["FlatGroup"]) -> None:
+        """Before a release that a backward will follow (nothing kept here)."""
+
+    def drop(self) -> None:
+        """After the unit's backward: free what `keep` kept (nothing here)."""
+
+
+class HostGather(PartitionGather):
+    """hpZ (ZeRO++'s hierarchical partition): the backward gathers inside the host from kept secondary slices.
+
+    `meter`: has `add_secondary(nbytes)` (the gatherer's GatheredBytes), told of every slice kept and freed."""
+
+    def __init__(self, comm: "Comm", secondary: "Comm", meter) -> None:
+        super().__init__(comm)
+        self.secondary, self.meter = secondary, meter
+        self._slices: Optional[Dict[int, Tuple[torch.Tensor, int]]] = None  # id(group) -> (slice, shard version)
+
+    def all_gather(self, group: "FlatGroup", full: torch.Tensor, tag: str) -> Handle:
+        if self._slices is None:
+            return super().all_gather(group, full, tag)
+        return self.secondary.all_gather(full, self._slices[id(group)][0], f"{tag} (hpZ)")
+
+    def refresh(self, groups: Sequence["FlatGroup"]) -> None:
+        if self._slices is not None and any(self._slices[id(g)][1] != g.version for g in groups):
+            self.drop()  # the step changed the shards since the slices were cut
+
+    def keep(self, groups: Sequence["FlatGroup"]) -> None:
+        if self._slices is not None:
+            return
+        k, j = self.secondary.world_size, self.secondary.rank
+        self._slices = {}
+        for group in groups:
+            size = group.plan.padded_numel // k
+            self._slices[id(group)] = (group.full[j * size:(j + 1) * size].clone(), group.version)
+            self.meter.add_secondary(size * group.full.element_size())
+
+    def drop(self) -> None:
+        if self._slices is not None:
+            self.meter.add_secondary(-sum(t.numel() * t.element_size() for t, _ in self._slices.values()))
+            self._slices = None
+
