@@ -78,7 +78,9 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
     reduce after every micro-batch and accumulate on top of reduced sums; `stray_forward`: before each step, one
     more forward with grad enabled whose loss is never backpropagated, as a metric computed in train mode would be).  Records per-step comm_stats (reset at each step's start, read
     after optimizer.step/zero_grad); at `probe_step` (0-based), after the last backward and before clipping,
-    records memory_stats and independent byte counts of the tensors the engine holds."""
+    records memory_stats and independent byte counts of the tensors the engine holds. `zero_options` may carry
+    `collectives` ("flat": the NCCL-shaped collectives on gloo); the run records the strategies it chose and the
+    ledger per strategy."""
     from hf_zero import ZeroConfig, shard_model
 
     model = models.make_model(kind, variant)
@@ -103,7 +105,8 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
                      offload_optimizer=offload_optimizer, offload_params=offload_params, **kw, **(zero_options or {}))
     engine = shard_model(model, opt, cfg)
     out: Dict[str, Any] = {"init_fp": init_fp, "same_model": engine.model is model, "losses": [], "norms": [],
-                           "norm_is_tensor": [], "comm": [], "memory": None}
+                           "norm_is_tensor": [], "comm": [], "comm_by_strategy": [], "memory": None,
+                           "collectives": sorted(engine.collectives)}
     batches = models.make_batches(steps, accum)
     for step in range(steps):
         engine.reset_comm_stats()
@@ -126,6 +129,7 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
         engine.optimizer.step()
         engine.optimizer.zero_grad()
         out["comm"].append(copy.deepcopy(engine.comm_stats()))
+        out["comm_by_strategy"].append(engine.comm_stats_by_strategy())
         out["losses"].append(total / accum)
     out["layer_calls_per_micro_batch"] = layer_calls[0] / (steps * accum * len(units))
     sd = engine.full_state_dict()

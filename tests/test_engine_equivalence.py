@@ -15,6 +15,11 @@ WORLD_SIZES = (1, 2, 3, 4)
 STAGES = (0, 1, 2, 3)
 RTOL, ATOL = 1e-5, 1e-6
 EXTRA_WORLD = 3  # fine-tuning variants and activation checkpointing run here (padding at every buffer)
+# The flat (NCCL-shaped) collectives on gloo (ZeroConfig.collectives="flat"): stages 1-3 at every world size > 1,
+# one model kind each (stage 0 only all-reduces, which no strategy changes), in the spawns above.
+FLAT_CASES = [(2, "gpt2"), (3, "llama"), (3, "gpt2"), (4, "llama")]
+FLAT_STAGES = (1, 2, 3)
+FLAT = {"collectives": "flat"}
 
 
 def scenarios_for(world_size):
@@ -31,6 +36,8 @@ def scenarios_for(world_size):
         sc += [(f"{kind}-full-s{stage}-sync-every", engine_train, dict(kind=kind, stage=stage,
                                                                         sync_every_micro_batch=True))
                for kind in models.KINDS for stage in STAGES]
+    sc += [(f"{kind}-full-s{stage}-flat", engine_train, dict(kind=kind, stage=stage, zero_options=FLAT))
+           for w, kind in FLAT_CASES if w == world_size for stage in FLAT_STAGES]
     return sc
 
 
@@ -147,3 +154,16 @@ def test_accumulation_without_no_sync_matches_reference(dist_results, kind, stag
     stage 1 onto its reduced owned range after the rest of the accumulator was used as reduction scratch."""
     ranks = dist_results(EXTRA_WORLD, f"{kind}-full-s{stage}-sync-every")
     check_against_reference(ranks, reference_train(kind, "full", STEPS, ACCUM), EXTRA_WORLD)
+
+
+@pytest.mark.parametrize("stage", FLAT_STAGES)
+@pytest.mark.parametrize("world_size,kind", FLAT_CASES)
+def test_flat_collectives_match_reference(dist_results, world_size, kind, stage):
+    """The collectives a GPU runs (one all_gather_into_tensor / reduce_scatter_tensor per bucket), run on gloo,
+    padding included at world size 3: the same training as the reference, and the ledger per strategy says flat."""
+    ranks = dist_results(world_size, f"{kind}-full-s{stage}-flat")
+    assert all(res["collectives"] == ["flat"] for res in ranks), [res["collectives"] for res in ranks]
+    for res in ranks:
+        for plain, by_strategy in zip(res["comm"], res["comm_by_strategy"]):
+            assert set(by_strategy) == {"flat"} and by_strategy["flat"]["total"] == plain["total"], by_strategy
+    check_against_reference(ranks, reference_train(kind, "full", STEPS, ACCUM), world_size)

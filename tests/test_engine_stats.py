@@ -19,6 +19,8 @@ STEPS = 2
 BUCKET = 8 * 1024  # bytes per reduce / all-gather bucket: several buckets per step, so bucketing is exercised
 BF16_WORLD = 2
 KINDS_BYTES = {"all_gather", "reduce_scatter", "all_reduce"}
+FLAT_WORLD = 3  # the ledger formulas with the flat (NCCL-shaped) collectives too, padding included
+FLAT_STAGES = (1, 2, 3)  # stage 0 only all-reduces, which no strategy changes
 
 
 def scenarios_for(world_size):
@@ -29,6 +31,10 @@ def scenarios_for(world_size):
         sc += [(f"llama-bf16-s{stage}", engine_train,
                 dict(kind="llama", stage=stage, mixed_precision="bf16", grad_accum_dtype="compute", **common))
                for stage in STAGES]
+    if world_size == FLAT_WORLD:
+        flat = dict(zero_options={"collectives": "flat"}, **common)
+        sc += [(f"{kind}-fp32-s{stage}-flat", engine_train, dict(kind=kind, stage=stage, **flat))
+               for kind in models.KINDS for stage in FLAT_STAGES]
     return sc
 
 
@@ -96,6 +102,37 @@ def test_comm_volume_per_step(dist_results, world_size, kind, stage):
                 assert (calls > 0) == (hi > 0), f"{where}; calls inconsistent with elements"
                 # fp32 everywhere here; an all-reduce counts 2x its buffer in elements and in bytes alike
                 assert nbytes == 4 * elements, f"{where}; want bytes = 4 x elements (fp32)"
+
+
+def _flat_runs():
+    return [(kind, stage) for kind in models.KINDS for stage in FLAT_STAGES]
+
+
+@pytest.mark.parametrize("kind,stage", _flat_runs())
+def test_comm_volume_per_step_flat(dist_results, kind, stage):
+    """The flat collectives move what the per-chunk ones move (paper counting): the same ledger, call for call."""
+    flat = dist_results(FLAT_WORLD, f"{kind}-fp32-s{stage}-flat")
+    chunked = dist_results(FLAT_WORLD, f"{kind}-fp32-s{stage}")
+    want = comm_expected(stage, Sizes(kind), FLAT_WORLD)
+    for r, res in enumerate(flat):
+        assert res["comm"] == chunked[r]["comm"], f"rank {r}: flat booked {res['comm']}, chunked {chunked[r]['comm']}"
+        for stats in res["comm"]:
+            for ckind, (lo, hi) in want.items():
+                assert lo <= _get(stats, ckind, "elements") <= hi, (r, ckind, stats)
+
+
+@pytest.mark.parametrize("kind,stage", _flat_runs())
+def test_ledger_per_strategy_beside_the_kinds(dist_results, kind, stage):
+    """comm_stats_by_strategy(): every collective under the strategy that issued it ("chunked" is gloo's "auto",
+    "flat" when asked), with the counters of comm_stats (flat and chunked send the logical bytes) and the hop
+    split (one host: all intra-host)."""
+    for name, strategy in ((f"{kind}-fp32-s{stage}", "chunked"), (f"{kind}-fp32-s{stage}-flat", "flat")):
+        for r, res in enumerate(dist_results(FLAT_WORLD, name)):
+            assert res["collectives"] == [strategy], (name, r, res["collectives"])
+            for plain, by_strategy in zip(res["comm"], res["comm_by_strategy"]):
+                assert set(by_strategy) == {strategy}, (name, r, by_strategy)
+                assert by_strategy[strategy] == plain, (name, r, by_strategy, plain)
+                assert plain["total"]["inter_bytes"] == 0 and plain["total"]["intra_bytes"] == plain["total"]["bytes"]
 
 
 def test_comm_stats_reset(dist_results):

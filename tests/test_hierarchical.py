@@ -21,6 +21,7 @@ N, K, STEPS, ACCUM = 4, 2, 2, 2
 RTOL, ATOL = 1e-5, 1e-6
 HSDP = {"shard_group_size": K}
 HPZ = {"hpz_partition_size": K}
+FLAT = {"collectives": "flat"}  # the NCCL-shaped collectives on gloo: HSDP's chained reduce, hpZ's host gather
 
 
 def _run(kind, stage, options, **kw):
@@ -64,6 +65,8 @@ def scenarios_for(world_size):
            ("groups-hsdp", _groups, {"options": HSDP}), ("groups-hpz", _groups, {"options": HPZ}),
            ("groups-k1", _groups, {"options": {"shard_group_size": 1}}),
            ("groups-host", _groups, {"options": {"hpz_partition_size": "host"}})]
+    sc += [("gpt2-hsdp-flat-s2", *_run("gpt2", 2, {**HSDP, **FLAT})),
+           ("llama-hpz-flat", *_run("llama", 3, {**HPZ, **FLAT}))]
     return sc
 
 
@@ -73,7 +76,8 @@ def dist_results():
 
 
 CASES = [f"{kind}-hsdp-s{stage}" for kind in models.KINDS for stage in (1, 2, 3)] + \
-        [f"{kind}-hpz" for kind in models.KINDS] + ["gpt2-hpz-ckpt", "gpt2-hsdp-s3-ckpt", "gpt2-hpz-stray"]
+        [f"{kind}-hpz" for kind in models.KINDS] + ["gpt2-hpz-ckpt", "gpt2-hsdp-s3-ckpt", "gpt2-hpz-stray"] + \
+        ["gpt2-hsdp-flat-s2", "llama-hpz-flat"]
 
 
 # ------------------------------------------------------------------------------------------------- equivalence
@@ -159,6 +163,16 @@ def test_ledger_matches_formulas_and_one_host_is_intra(dist_results, name):
             passes = {"all_reduce": 2 * reductions / K, "reduce_scatter": reductions, "all_gather": 2 * ACCUM}[ckind]
             assert elements <= got <= elements + passes * s.pad, (name, r, ckind, got, elements)
             assert step[ckind]["intra_elements"] == got and step[ckind]["inter_elements"] == 0, (name, r, step)
+
+
+@pytest.mark.parametrize("name", [c for c in CASES if "flat" in c])
+def test_flat_collectives_on_every_group(dist_results, name):
+    """collectives="flat" reaches every group the option builds (partition, replicas, host group): the ledger per
+    strategy holds all of the step's traffic under "flat"."""
+    for r, res in enumerate(dist_results(N, name)):
+        assert res["collectives"] == ["flat"], (name, r, res["collectives"])
+        assert all(set(by) == {"flat"} and by["flat"] == plain
+                   for plain, by in zip(res["comm"], res["comm_by_strategy"])), (name, r, res["comm_by_strategy"])
 
 
 # ------------------------------------------------------------------------------------------------------ memory
