@@ -6,7 +6,8 @@ living into interpreter finalization (hf_zero/engine/exit.py says why). It is a 
 
 - deterministic: every rank reports the threads it still runs after every other exit hook (tests/scripts/
   exit_shard_model.py --exit-report, registered first so it runs last); no gloo thread may be among them;
-- the race itself: 20 launches beside a busy CPU, none may lose a process to a signal or print "terminate called".
+- the race itself: 8 launches (HF_ZERO_EXIT_REPEAT) beside a busy CPU, none may lose a process to a signal or
+  print "terminate called".
 
 Neither may print torch.distributed.reduce_op's FutureWarning (the former exit hook walked every module's attributes
 and printed it three times per rank). Output is checked whole, never a tail.
@@ -26,7 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPT = os.path.join(HERE, "scripts", "exit_shard_model.py")
 LAUNCH_TIMEOUT_S = 180
-REPEAT = int(os.environ.get("HF_ZERO_EXIT_REPEAT", "20"))
+# 8 keeps CI short: the deterministic test pins the cause; HF_ZERO_EXIT_REPEAT=50 hunts the race harder
+REPEAT = int(os.environ.get("HF_ZERO_EXIT_REPEAT", "8"))
 # the two reported scripts: torchrun, stage 1, frozen parameters, destroy_process_group() at the end; spawn, stage 3,
 # partitioned activation checkpoints on the CPU, the group left alive
 TORCHRUN_STAGE1 = ("torchrun", ["--stage", "1", "--frozen", "--destroy"])
@@ -160,7 +162,7 @@ def test_group_defaults_lists_every_module_that_pins_the_world_group(tmp_path):
 
 @pytest.mark.slow
 def test_no_abort_at_exit_in_repeated_launches_under_load(tmp_path):
-    """REPEAT launches (HF_ZERO_EXIT_REPEAT, default 20), alternating the two reported scripts, each beside a
+    """REPEAT launches (HF_ZERO_EXIT_REPEAT, default 8), alternating the two reported scripts, each beside a
     process that keeps one core busy: no process may die by a signal or print "terminate called"."""
     # a busy loop bounded by its own clock, should this test be killed before it stops it
     busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + %d\n"
