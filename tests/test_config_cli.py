@@ -333,3 +333,22 @@ def test_missing_file_named_by_env(tmp_path, monkeypatch):
     exc = _accelerator_error(monkeypatch, path)
     assert isinstance(exc, FileNotFoundError)
     assert str(path) in str(exc) and "hf-zero config" in str(exc) and CONFIG_ENV in str(exc)
+
+
+# ------------------------------------------------------------------------------------------------ declared options
+def test_every_option_flag_reaches_hf_zero_yaml(tmp_path, capsys, monkeypatch):
+    """Options without a question are flags too (one declaration each, hf_zero/options)."""
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    acc, zero, paths = _paths(tmp_path)
+    assert main(["config", "--yes", "--collectives", "flat", "--grad-accum-dtype", "compute", "--reduce-dtype", "fp32",
+                 "--debug-collectives", "--units", "GPT2Block,LlamaDecoderLayer", "--loss-scale-factor", "4",
+                 "--optimizer-is-elementwise", *paths]) == 0
+    plugin = ZeroPlugin.from_yaml(zero)
+    assert (plugin.collectives, plugin.grad_accum_dtype, plugin.reduce_dtype, plugin.debug_collectives, plugin.units,
+            plugin.loss_scale_factor, plugin.optimizer_is_elementwise) == (
+        "flat", "compute", "fp32", True, ["GPT2Block", "LlamaDecoderLayer"], 4.0, True)
+    assert plugin.to_zero_config("no").collectives == "flat"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["config", "--yes", "--collectives", "ring", *paths])
+    assert exc.value.code == 2 and "--collectives" in capsys.readouterr().err

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import os
 import sys
@@ -29,17 +28,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..options import BY_NAME, PLUGIN, QUESTIONS, Choice, Flag, Integer, Option, asked, unmet
 from .launch_plan import MIXED_PRECISION, distributed_type_name as _dt, launch_plan
-
-STAGES = (0, 1, 2, 3)
-OFFLOAD = ("none", "cpu")
-CHECKPOINTING = ("off", "on", "partitioned")
 
 # flags that describe the Accelerate side: given any of them (or --yes), Accelerate's questionnaire is skipped
 _ACCELERATE_FLAGS = ("num_processes", "mixed_precision", "cpu")
-# ZeRO flags: each one given answers its question
-_ZERO_FLAGS = ("stage", "offload_optimizer", "offload_params", "activation_checkpointing", "cpu_checkpointing",
-               "reduce_bucket_size", "allgather_bucket_size", "prefetch", "shard_group_size", "hpz_partition_size")
 HIERARCHY = ("none", "hsdp", "hpz")
 
 
@@ -52,79 +45,23 @@ class ConfigUsageError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------------- parsing
-def _choice(allowed: Tuple[Any, ...], name: str, convert: Callable[[str], Any] = str) -> Callable[[str], Any]:
-    """argparse type / prompt parser: value in `allowed`, else an error that lists them."""
-    shown = ", ".join(str(a) for a in allowed)
-
-    def parse(text: str) -> Any:
-        raw = text.strip()
-        try:
-            value = convert(raw.lower() if convert is str else raw)
-        except (TypeError, ValueError):
-            value = None
-        if value not in allowed:
-            raise argparse.ArgumentTypeError(f"{name} must be one of {shown}; got {text!r}")
-        return value
-
-    return parse
+def _parser(kind: Any, label: str) -> Callable[[str], Any]:
+    """argparse type / prompt parser for a value kind of hf_zero.options (errors say what `label` takes)."""
+    return lambda text: kind.parse(text, label)
 
 
-def _int_at_least(minimum: int, name: str, what: str) -> Callable[[str], int]:
-    """argparse type / prompt parser for integers >= minimum; accepts 25_000_000 and 2.5e7."""
-
-    def parse(text: str) -> int:
-        raw = text.strip().replace("_", "")
-        value: Optional[int]
-        try:
-            value = int(raw)
-        except ValueError:
-            try:
-                f = float(raw)
-                value = int(f) if f.is_integer() else None
-            except (ValueError, OverflowError):
-                value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"{name} must be {what}; got {text!r}")
-        return value
-
-    return parse
+_parse_mixed_precision = _parser(Choice(MIXED_PRECISION), "mixed precision")
+_parse_num_processes = _parser(Integer(1, "processes in the world"), "num processes")
+_parse_hierarchy = _parser(Choice(HIERARCHY), "hierarchical partitioning")
 
 
-def _yes_no(name: str) -> Callable[[str], bool]:
-    def parse(text: str) -> bool:
-        value = {"yes": True, "y": True, "no": False, "n": False}.get(text.strip().lower())
-        if value is None:
-            raise argparse.ArgumentTypeError(f"{name}: answer yes or no; got {text!r}")
-        return value
-
-    return parse
-
-
-_parse_cpu_checkpointing = _yes_no("cpu checkpointing")
-
-_parse_stage = _choice(STAGES, "stage", int)
-_parse_offload_optimizer = _choice(OFFLOAD, "offload optimizer")
-_parse_offload_params = _choice(OFFLOAD, "offload params")
-_parse_checkpointing = _choice(CHECKPOINTING, "activation checkpointing")
-_parse_mixed_precision = _choice(MIXED_PRECISION, "mixed precision")
-_parse_reduce = _int_at_least(1, "reduce bucket size", "a positive integer number of bytes (e.g. 25000000)")
-_parse_allgather = _int_at_least(1, "all-gather bucket size", "a positive integer number of bytes (e.g. 25000000)")
-_parse_prefetch = _int_at_least(0, "prefetch", "an integer >= 0 (stage-3 units gathered ahead)")
-_parse_num_processes = _int_at_least(1, "num processes", "an integer >= 1")
-
-
-def _parse_group_size(text: str) -> Any:
-    """K for shard_group_size / hpz_partition_size: a positive integer or "host" (the ranks per host)."""
-    if text.strip().lower() == "host":
-        return "host"
-    return _int_at_least(1, "group size", 'a positive number of ranks or "host"')(text)
-
-
-_parse_hierarchy = _choice(HIERARCHY, "hierarchical partitioning")
+def _yes_no(label: str) -> Callable[[str], bool]:
+    return _parser(Flag(), label)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `hf-zero config` flags (each multi-word flag also answers to its underscore spelling)."""
+    """The `hf-zero config` flags: one per ZeroPlugin option (hf_zero.options), then the Accelerate side's; each
+    multi-word flag also answers to its underscore spelling."""
     parser.description = (
         "Write the Accelerate config and hf_zero.yaml. Interactive: Accelerate's own questions, then the ZeRO ones. "
         "Flags answer their questions; with --yes nothing is asked (unset values take their defaults). Given "
@@ -135,23 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         names = [flag] + (["--" + flag[2:].replace("-", "_")] if "-" in flag[2:] else [])
         parser.add_argument(*names, **kwargs)
 
-    add("--stage", type=_parse_stage, metavar="{0,1,2,3}", help="ZeRO stage (default 2)")
-    add("--offload-optimizer", type=_parse_offload_optimizer, metavar="{none,cpu}",
-        help="keep fp32 master shards and optimizer states in CPU memory")
-    add("--offload-params", type=_parse_offload_params, metavar="{none,cpu}", help="stage 3 only")
-    add("--activation-checkpointing", type=_parse_checkpointing, metavar="{off,on,partitioned}")
-    add("--cpu-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-        help="keep activation checkpoints in CPU memory")
-    add("--reduce-bucket-size", type=_parse_reduce, metavar="BYTES")
-    add("--allgather-bucket-size", type=_parse_allgather, metavar="BYTES")
-    add("--prefetch", type=_parse_prefetch, metavar="N", help="stage 3: units all-gathered ahead")
-    add("--shard-group-size", type=_parse_group_size, metavar="{K,host}",
-        help="HSDP: partition within groups of K ranks (host: one host) and replicate across them")
-    add("--hpz-partition-size", type=_parse_group_size, metavar="{K,host}",
-        help="stage 3, ZeRO++ hpZ: secondary parameter shard over K ranks (host) for the backward all-gather")
+    for o in PLUGIN:
+        shown = "" if "default" in o.help.lower() else f" Default: {o.kind.plain(o.default)}."
+        help_text = (o.help + shown).replace("%", "%%")
+        if isinstance(o.kind, Flag):
+            add(o.flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            add(o.flag, type=o.parse, metavar=o.kind.metavar, help=help_text)
     add("--num-processes", type=_parse_num_processes, metavar="N",
         help="processes in the world (default: the GPU count, or 1 on CPU)")
-    add("--mixed-precision", type=_parse_mixed_precision, metavar="{no,bf16,fp16}")
+    add("--mixed-precision", type=_parse_mixed_precision, metavar="{" + ",".join(MIXED_PRECISION) + "}")
     add("--cpu", action=argparse.BooleanOptionalAction, default=None,
         help="train on CPU (gloo); default: on when no GPU is visible")
     parser.add_argument("--yes", "-y", action="store_true", help="ask nothing; unset values take their defaults")
@@ -161,6 +91,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the hf_zero.yaml to write (default: $HF_ZERO_CONFIG_FILE, else beside Accelerate's default config)")
     add("--show", action="store_true",
         help="print both files, where they came from and what `accelerate launch` will start; write nothing")
+
+
+def _flag_text(option: Option, value: Any) -> str:
+    return f"{option.flag} {option.kind.show(value) if isinstance(option.kind, Flag) else value}"
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Flags that are each valid but do not fit together fail before any question is asked."""
+    for o in PLUGIN:
+        value = getattr(args, o.name)
+        if value is None or value == o.default:
+            continue
+        for req in o.requires:
+            other = getattr(args, req.other, None)
+            if other is None or req.met(other, BY_NAME[req.other].default):
+                continue
+            detail = req.message.format(name=o.name, value=value, other=req.other, other_value=other)
+            if req.allowed is None:
+                raise ConfigUsageError(f"{_flag_text(o, value)} and {_flag_text(BY_NAME[req.other], other)} exclude "
+                                       f"each other: {detail}")
+            wanted = " or ".join(str(a) for a in req.allowed)
+            raise ConfigUsageError(f"{_flag_text(o, value)} needs {BY_NAME[req.other].flag} {wanted}: {detail}")
 
 
 # ---------------------------------------------------------------------------------------------------- prompts
@@ -189,38 +141,24 @@ def _machine() -> Dict[str, Any]:
 
 def _ask_zero(args: argparse.Namespace, defaults: Dict[str, Any], interactive: bool,
               num_machines: int = 1) -> Dict[str, Any]:
-    """The ZeRO answers: flags first, then (interactive) a question per unset option, else the defaults."""
+    """The ZeRO answers: flags first, then (interactive) the declared questions in order, else the defaults. A
+    question whose requirement the answers so far do not meet is skipped and its option keeps its default."""
+    given = {o.name for o in PLUGIN if getattr(args, o.name) is not None}
     values = dict(defaults)
-    for name in _ZERO_FLAGS:
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
-    given = {n for n in _ZERO_FLAGS if getattr(args, n) is not None}
-
-    def q(name: str, prompt: str, parse: Callable[[str], Any], shown: Optional[str] = None) -> None:
-        if interactive and name not in given:
-            default = values[name]
-            values[name] = _ask(f"{prompt} [{shown if shown is not None else default}]: ", parse, default)
+    values.update({name: getattr(args, name) for name in given})
 
     if interactive:
         print("\n---- hf_zero (ZeRO) ----")
-    q("stage", "ZeRO stage: 0 plain data parallel, 1 + optimizer states, 2 + gradients, 3 + parameters (0/1/2/3)",
-      _parse_stage)
-    q("offload_optimizer", "Offload optimizer states and fp32 master weights to CPU memory? (none/cpu)",
-      _parse_offload_optimizer)
-    if values["stage"] == 3:
-        q("offload_params", "Offload parameter shards to CPU memory? (none/cpu)", _parse_offload_params)
-    elif "offload_params" not in given:
-        values["offload_params"] = "none"
-    q("activation_checkpointing", "Activation checkpointing? (off/on/partitioned)", _parse_checkpointing)
-    if values["activation_checkpointing"] != "off":
-        q("cpu_checkpointing", "Keep activation checkpoints in CPU memory (cpu checkpointing)? (yes/no)",
-          _parse_cpu_checkpointing, "yes" if values["cpu_checkpointing"] else "no")
-    elif "cpu_checkpointing" not in given:
-        values["cpu_checkpointing"] = False
-    q("reduce_bucket_size", "Reduce (gradient) bucket size in bytes", _parse_reduce)
-    q("allgather_bucket_size", "All-gather bucket size in bytes", _parse_allgather)
-    if values["stage"] == 3:
-        q("prefetch", "Prefetch: stage-3 units to all-gather ahead (integer >= 0)", _parse_prefetch)
+    for o in QUESTIONS:
+        if o.name in given:
+            continue
+        if not asked(o, values):
+            if unmet(o, values) is not None:
+                values[o.name] = o.default
+            continue
+        if interactive:
+            default = values[o.name]
+            values[o.name] = _ask(f"{o.question.text} [{o.kind.show(default)}]: ", o.parse, default)
     hierarchical = {"shard_group_size", "hpz_partition_size"} & given
     if interactive and num_machines > 1 and values["stage"] >= 1 and not hierarchical:
         # several hosts: keep all-gathers inside a host (README "Multiple hosts")
@@ -494,15 +432,14 @@ def _print_reader_hint(zero_path: Path) -> None:
 
 
 def write(args: argparse.Namespace) -> int:
+    """Ask (or take from flags) and write both files; 0 when written."""
     from .plugin import ZeroPlugin
     from ..config import ZeroConfigError
 
-    if args.offload_params == "cpu" and args.stage is not None and args.stage != 3:
-        raise ConfigUsageError(f"--offload-params cpu needs --stage 3 (parameters are only partitioned at stage 3); "
-                               f"got --stage {args.stage}. Use --stage 3 or --offload-params none")
+    _check_flags(args)
     interactive = not args.yes
     machine = _machine()
-    zero_defaults = {f.name: f.default for f in dataclasses.fields(ZeroPlugin)}
+    zero_defaults = {o.name: o.default for o in PLUGIN}
     acc_path, _ = _accelerate_path(args)
     zero_path, _ = _zero_path(args)
 
@@ -511,9 +448,6 @@ def write(args: argparse.Namespace) -> int:
     else:
         accel = _ask_accelerate(zero_defaults)
     values = _ask_zero(args, zero_defaults, interactive, int(getattr(accel, "num_machines", 1) or 1))
-    if values["offload_params"] == "cpu" and values["stage"] != 3:
-        raise ConfigUsageError(f"--offload-params cpu needs stage 3 (parameters are only partitioned at stage 3); "
-                               f"the stage is {values['stage']}. Add --stage 3 or use --offload-params none")
     try:
         plugin = ZeroPlugin(**values)
     except ZeroConfigError as exc:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any, List, Tuple
 
+from ..options import BY_NAME
+
 
 def distributed_type_name(config: Any) -> str:
     """The config's distributed_type as the string Accelerate writes in YAML ("MULTI_GPU", ...)."""
@@ -17,7 +19,7 @@ def distributed_type_name(config: Any) -> str:
     return getattr(value, "value", str(value))
 
 
-MIXED_PRECISION = ("no", "bf16", "fp16")  # the precisions hf_zero runs (Accelerate's fp8 is not one)
+MIXED_PRECISION: Tuple[str, ...] = BY_NAME["mixed_precision"].kind.values  # what hf_zero runs (not Accelerate's fp8)
 
 
 def launch_plan(config_file: os.PathLike) -> Tuple[List[str], List[str]]:
@@ -90,5 +92,5 @@ def launch_plan(config_file: os.PathLike) -> Tuple[List[str], List[str]]:
     facts.append(f"mixed precision {mp} (HfZeroAccelerator: {mp} compute, fp32 master weights)"
                  if mp in ("bf16", "fp16") else f"mixed precision {mp}")
     if mp not in MIXED_PRECISION:
-        problems.append(f"mixed_precision {mp!r}: hf_zero supports no, bf16 and fp16")
+        problems.append(f"mixed_precision {mp!r}: hf_zero supports {', '.join(MIXED_PRECISION)}")
     return facts, problems

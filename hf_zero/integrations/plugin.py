@@ -9,17 +9,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import yaml
 
 from ..config import ZeroConfig, ZeroConfigError
+from ..options import PLUGIN, check_values, declare
 
 CONFIG_ENV = "HF_ZERO_CONFIG_FILE"
-_CHECKPOINTING = ("off", "on", "partitioned")
-_NOT_IN_YAML = ("model_parallel_group", "data_parallel_group")
 
 
 def default_config_path() -> Path:
@@ -31,73 +29,33 @@ def default_config_path() -> Path:
     return Path(default_config_file).parent / "hf_zero.yaml"
 
 
-@dataclass
+@declare(PLUGIN)
 class ZeroPlugin:
-    """ZeRO settings for HfZeroAccelerator / ZeroTrainer (mixed precision comes from Accelerate).
+    """ZeRO settings for HfZeroAccelerator / ZeroTrainer: every engine option but the precision (Accelerate's
+    `mixed_precision`), and activation checkpointing, which the accelerator installs on the model. The options are
+    declared in hf_zero.options; each is also an hf_zero.yaml key and an `hf-zero config` flag. Besides them:
 
-    Args:
-        stage: 0-3 (see ZeroConfig).
-        reduce_bucket_size, allgather_bucket_size: bucket bytes (C_B).
-        prefetch: stage 3 units gathered ahead.
-        offload_optimizer: "none" | "cpu". offload_params: "none" | "cpu" (stage 3 only).
-        activation_checkpointing: "off" | "on" | "partitioned" (P_a; needs a model-parallel group).
-        cpu_checkpointing: keep activation checkpoints in CPU memory (P_a+cpu); needs activation checkpointing.
-        model_parallel_group: the tensor-parallel process group P_a partitions checkpoints across; with it, give
-            data_parallel_group, the group ZeRO shards over (default: all ranks). Runtime objects, not in YAML.
-        grad_accum_dtype: "fp32" | "compute".
-        reduce_dtype: "fp32" | "compute" | None (default: fp32 under mixed precision); see ZeroConfig.
-        shard_group_size: HSDP / MiCS: partition within groups of K ranks ("host": one host), replicate across.
-        hpz_partition_size: ZeRO++ hpZ at stage 3: a secondary parameter shard over K ranks ("host") for the
-            backward all-gather. See ZeroConfig for both.
-        debug_collectives: check every collective's fingerprint across ranks (raises instead of hanging).
+    model_parallel_group: the tensor-parallel process group P_a partitions checkpoints across; with it, give
+    data_parallel_group, the group ZeRO shards over (default: all ranks). Runtime objects, not in YAML.
     """
 
-    stage: int = 2
-    reduce_bucket_size: int = 25 * 2**20
-    allgather_bucket_size: int = 25 * 2**20
-    prefetch: int = 1
-    offload_optimizer: str = "none"
-    offload_params: str = "none"
-    activation_checkpointing: str = "off"
-    cpu_checkpointing: bool = False
-    grad_accum_dtype: str = "fp32"
-    reduce_dtype: Optional[str] = None
-    shard_group_size: Optional[Any] = None
-    hpz_partition_size: Optional[Any] = None
-    debug_collectives: bool = False
     model_parallel_group: Optional[Any] = dataclasses.field(default=None, repr=False, compare=False)
     data_parallel_group: Optional[Any] = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.activation_checkpointing in (False, None):
-            self.activation_checkpointing = "off"
-        if self.activation_checkpointing is True:
-            self.activation_checkpointing = "on"
-        if self.activation_checkpointing not in _CHECKPOINTING:
-            raise ZeroConfigError(
-                f"activation_checkpointing={self.activation_checkpointing!r}; allowed: {', '.join(_CHECKPOINTING)}"
-            )
-        if not isinstance(self.cpu_checkpointing, bool):
-            raise ZeroConfigError(f"cpu_checkpointing={self.cpu_checkpointing!r}; allowed: true or false")
-        if self.cpu_checkpointing and self.activation_checkpointing == "off":
-            raise ZeroConfigError("cpu_checkpointing=true keeps activation checkpoints in CPU memory, so it needs "
-                                  "activation_checkpointing 'on' or 'partitioned'; got 'off'")
-        self.to_zero_config("no")  # validates every engine option now, with the engine's messages
+        for name, value in check_values({o.name: getattr(self, o.name) for o in PLUGIN}, PLUGIN).items():
+            setattr(self, name, value)  # the engine's own messages for the engine's options
 
     def to_zero_config(self, mixed_precision: str) -> ZeroConfig:
         """The engine config for this plugin under Accelerate's mixed-precision setting."""
-        return ZeroConfig(
-            stage=self.stage, mixed_precision=mixed_precision, grad_accum_dtype=self.grad_accum_dtype,
-            reduce_dtype=self.reduce_dtype, reduce_bucket_size=self.reduce_bucket_size, allgather_bucket_size=self.allgather_bucket_size,
-            prefetch=self.prefetch, offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
-            shard_group_size=self.shard_group_size, hpz_partition_size=self.hpz_partition_size,
-            debug_collectives=self.debug_collectives,
-        )
+        return ZeroConfig(mixed_precision=mixed_precision,
+                          **{o.name: getattr(self, o.name) for o in PLUGIN if o.engine})
 
     # ---------------------------------------------------------------- files
     @classmethod
     def from_dict(cls, values: Dict[str, Any], source: str = "hf_zero.yaml") -> "ZeroPlugin":
-        known = [f.name for f in dataclasses.fields(cls) if f.name not in _NOT_IN_YAML]
+        """Build from hf_zero.yaml's mapping; unknown keys and bad values are errors naming `source`."""
+        known = [o.yaml_key for o in PLUGIN]
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise ZeroConfigError(f"{source}: unknown key(s) {unknown}; allowed keys: {', '.join(known)}")
@@ -108,6 +66,7 @@ class ZeroPlugin:
 
     @classmethod
     def from_yaml(cls, path: os.PathLike) -> "ZeroPlugin":
+        """Read hf_zero.yaml (its `zero:` section, or the whole file)."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(
@@ -136,7 +95,7 @@ class ZeroPlugin:
 
     def to_dict(self) -> Dict[str, Any]:
         """The settings hf_zero.yaml holds (a process group is a runtime object, never written)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_IN_YAML}
+        return {o.yaml_key: o.kind.plain(getattr(self, o.name)) for o in PLUGIN}
 
     def to_yaml(self, path: os.PathLike) -> None:
         """Write atomically (a crash never leaves a half-written config)."""

@@ -1,0 +1,299 @@
+"""Every hf_zero option, declared once.
+
+One `Option` holds all there is to say about a setting: its name (also its `hf_zero.yaml` key and, with dashes, its
+`hf-zero config` flag), its default, the values it takes (a value kind: `Choice`, `Integer`, `Bytes`, `Number`,
+`GroupSize`, `Flag`, `ClassNames`), its help text, what it needs of other options (`Requirement`) and the question
+`hf-zero config` asks for it (`Question`). The kinds and ZeroConfigError live in kinds.py. From `OPTIONS`:
+
+- `ZeroConfig` (hf_zero/config.py) gets its fields, defaults, docstring and validation (`declare`, `check_values`);
+- `ZeroPlugin` (integrations/plugin.py) gets the same for every option with `plugin=True`, plus its own two
+  (activation checkpointing), and `hf_zero.yaml` its keys;
+- `hf-zero config` (integrations/config_cli.py) gets its flags, its questions in `Question.order`, and their parsers;
+- README's options table is printed by `python -m hf_zero.options --markdown` (a test compares the two).
+
+To add an option, add one `Option` to `OPTIONS` and write the code that uses it. The kinds are small frozen
+dataclasses, as PyTorch FSDP2 keeps its policies (torch/distributed/fsdp/_fully_shard/_fsdp_api.py).
+
+This is the ground floor: it imports nothing from the rest of hf_zero (config.py imports it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+
+from .kinds import Bytes, Choice, ClassNames, Flag, GroupSize, Integer, Kind, Number, ZeroConfigError
+
+__all__ = ["OPTIONS", "BY_NAME", "ENGINE", "PLUGIN", "QUESTIONS", "Option", "Requirement", "Question", "Kind", "Choice",
+           "Integer", "Bytes", "Number", "GroupSize", "Flag", "ClassNames", "ZeroConfigError", "check_values", "unmet",
+           "asked", "declare", "args_doc", "markdown", "section_markers", "readme_section", "replace_readme_section"]
+
+# ------------------------------------------------------------------------------------------------ declarations
+@dataclass(frozen=True)
+class Requirement:
+    """What an option needs of an earlier-declared one whenever it is not at its default: `other` in `allowed`, or,
+    with `allowed=None`, `other` at its own default (the two exclude each other). `message` is a str.format template
+    with {name}, {value}, {other} and {other_value}."""
+
+    other: str
+    allowed: Optional[Tuple[Any, ...]]
+    message: str
+
+    def met(self, other_value: Any, other_default: Any) -> bool:
+        return other_value == other_default if self.allowed is None else other_value in self.allowed
+
+
+@dataclass(frozen=True)
+class Question:
+    """`hf-zero config`'s question: the text, its place among the questions, and `only_if` (option, values): asked
+    only when that option has one of these values (a requirement that is not met skips the question too)."""
+
+    text: str
+    order: int
+    only_if: Optional[Tuple[str, Tuple[Any, ...]]] = None
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option. `engine`: a ZeroConfig field. `plugin`: a ZeroPlugin field, an hf_zero.yaml key and an
+    `hf-zero config` flag. `label`: how questions and flag errors name it (default: the name with spaces)."""
+
+    name: str
+    default: Any
+    kind: Kind
+    help: str
+    engine: bool = True
+    plugin: bool = True
+    label: Optional[str] = None
+    question: Optional[Question] = None
+    requires: Tuple[Requirement, ...] = ()
+
+    @property
+    def flag(self) -> str:
+        """The `hf-zero config` flag."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def yaml_key(self) -> str:
+        """The key in hf_zero.yaml (under `zero:`)."""
+        return self.name
+
+    @property
+    def words(self) -> str:
+        return self.label or self.name.replace("_", " ")
+
+    def check(self, value: Any) -> Any:
+        """The value in its normal form, or ZeroConfigError naming this option."""
+        return self.kind.check(self.name, value)
+
+    def parse(self, text: str) -> Any:
+        """A value from a flag or an answer (argparse.ArgumentTypeError when it is not one)."""
+        return self.kind.parse(text, self.words)
+
+    def field(self) -> Any:
+        return dataclasses.field(default=self.default, metadata={"option": self})
+
+
+_DTYPE_CHOICE = Choice(("fp32", "compute"))
+_OFFLOAD = Choice(("none", "cpu"), aliases=((None, "none"), (False, "none")))
+
+OPTIONS: Tuple[Option, ...] = (
+    Option("stage", 2, Choice((0, 1, 2, 3), what="is not a ZeRO stage"),
+           "0 (plain data parallel), 1 (partition optimizer states), 2 (+ gradients), 3 (+ parameters).",
+           question=Question("ZeRO stage: 0 plain data parallel, 1 + optimizer states, 2 + gradients, 3 + parameters "
+                             "(0/1/2/3)", 10)),
+    Option("mixed_precision", "no",
+           Choice(("no", "bf16", "fp16"), aliases=(("fp32", "no"),), what="is not a precision hf_zero trains in"),
+           '"no" (train in the model\'s own dtypes), "bf16" or "fp16" (compute copies in that dtype, fp32 master '
+           'weights and optimizer states inside the shard; fp16 adds dynamic loss scaling). Under Accelerate this is '
+           'Accelerate\'s own `mixed_precision`, so it is no hf_zero.yaml key.', plugin=False),
+    Option("grad_accum_dtype", "fp32", _DTYPE_CHOICE,
+           '"fp32" accumulates gradients (full buffer at stages 0/1, shard at 2/3) in fp32; "compute" accumulates '
+           'them in the compute dtype as the paper counts it (saves memory, loses precision with bf16).'),
+    Option("reduce_dtype", None, Choice(("fp32", "compute"), none="the default: fp32 under mixed precision"),
+           'The dtype stage-2/3 gradient buckets are reduce-scattered in: "fp32" or "compute" (the compute dtype; '
+           'fp16 buckets are divided by the world size before the sum so it cannot overflow N times sooner). '
+           'Default (None): "fp32" under fp16 and bf16 (a bf16 sum of N ranks loses bits: see the README), the '
+           'parameters\' own dtype otherwise. Stages 0/1 reduce their accumulator, in grad_accum_dtype.'),
+    Option("reduce_bucket_size", 25 * 2**20, Bytes(),
+           "Bytes per gradient bucket at stages 0-2 (C_B: constant, independent of model size).",
+           question=Question("Reduce (gradient) bucket size in bytes", 60)),
+    Option("allgather_bucket_size", 25 * 2**20, Bytes(), "Bytes per all-gather bucket after the step at stages 1-2.",
+           label="all-gather bucket size", question=Question("All-gather bucket size in bytes", 70)),
+    Option("prefetch", 1, Integer(0, "stage-3 units gathered ahead"),
+           "Stage 3: how many units ahead to all-gather while the current one computes (0 disables).",
+           question=Question("Prefetch: stage-3 units to all-gather ahead (integer >= 0)", 80,
+                             only_if=("stage", (3,)))),
+    Option("units", None, ClassNames(),
+           "Module classes (or class names) whose instances are stage-3 units; default: the model's "
+           "`_no_split_modules` (HF models), else every direct child of the first `nn.ModuleList`."),
+    Option("offload_optimizer", "none", _OFFLOAD,
+           '"none" or "cpu": keep fp32 master shards and optimizer states in CPU memory.',
+           question=Question("Offload optimizer states and fp32 master weights to CPU memory? (none/cpu)", 20)),
+    Option("offload_params", "none", _OFFLOAD, '"none" or "cpu" (stage 3 only): keep parameter shards in CPU memory.',
+           question=Question("Offload parameter shards to CPU memory? (none/cpu)", 30),
+           requires=(Requirement("stage", (3,), "{name}={value!r} needs stage 3 (parameters are only partitioned at "
+                                 "stage 3); got stage={other_value}. Use stage=3 or offload_params='none'."),)),
+    Option("activation_checkpointing", "off",
+           Choice(("off", "on", "partitioned"), aliases=((None, "off"), (False, "off"), (True, "on"))),
+           '"off", "on" (recompute each layer in the backward) or "partitioned" (P_a: split each checkpoint across '
+           'the model-parallel group; with no such group it runs as "on" and says so). hf_zero installs it on every '
+           'layer when the model is prepared.', engine=False,
+           question=Question("Activation checkpointing? (off/on/partitioned)", 40)),
+    Option("cpu_checkpointing", False, Flag(),
+           "Keep activation checkpoints in CPU memory (P_a+cpu; pinned when training on a GPU).", engine=False,
+           question=Question("Keep activation checkpoints in CPU memory (cpu checkpointing)? (yes/no)", 50),
+           requires=(Requirement("activation_checkpointing", ("on", "partitioned"),
+                                 "cpu_checkpointing=true keeps activation checkpoints in CPU memory, so it needs "
+                                 "activation_checkpointing 'on' or 'partitioned'; got {other_value!r}"),)),
+    Option("optimizer_is_elementwise", None, Flag(optional=True),
+           "Declare an optimizer class hf_zero does not know to be element-wise (it then runs on 1-D segments of the "
+           "shard); None means \"only the known element-wise torch optimizers\"."),
+    Option("shard_group_size", None, GroupSize(),
+           'Hierarchical partitioning (HSDP / MiCS), stages 1-3: partition over groups of K consecutive ranks (one '
+           'host) and replicate across the N/K groups, so every all-gather and reduce-scatter stays inside a group '
+           'and only the gradient shard\'s all-reduce crosses groups. K divides the world size; "host" takes the '
+           'ranks per host (LOCAL_WORLD_SIZE). None, 1 or N: the plain stage.',
+           requires=(Requirement("stage", (1, 2, 3),
+                                 "{name}={value!r} needs stage 1-3 (stage 0 partitions nothing)"),)),
+    Option("hpz_partition_size", None, GroupSize(),
+           'ZeRO++ hpZ (stage 3): optimizer states and gradients stay partitioned over all N ranks; after a unit\'s '
+           'forward all-gather each rank keeps a secondary shard of its parameters partitioned over its group of K '
+           'ranks (one host), so the backward all-gather stays inside the host. Costs Ψ/K compute-dtype elements per '
+           'rank. K or "host", as for shard_group_size; None, 1 or N: off.',
+           requires=(
+               Requirement("shard_group_size", None,
+                           "shard_group_size={other_value!r} and {name}={value!r} are two ways of keeping all-gathers "
+                           "inside a host; choose one (HSDP partitions K ways and replicates, hpZ keeps the N-way "
+                           "partition and adds a K-way secondary copy of the parameters)"),
+               Requirement("stage", (3,),
+                           "{name}={value!r} needs stage 3 (it partitions the parameters a second time, and only stage "
+                           "3 partitions them); got stage={other_value}. For stages 1-2 use shard_group_size, or drop "
+                           "the option."),
+           )),
+    Option("collectives", "auto", Choice(("auto", "flat", "chunked")),
+           'How all-gathers and reduce-scatters are issued: "flat" (one all_gather_into_tensor / '
+           'reduce_scatter_tensor per bucket, as NCCL runs them), "chunked" (per-rank-chunk broadcasts and reduces, '
+           'faster on gloo) or "auto" (chunked on gloo, flat otherwise).'),
+    Option("debug_collectives", False, Flag(),
+           "Before every collective, all-gather a fingerprint (kind, unit, size, call index) and raise with both "
+           "sides' descriptions if ranks disagree, instead of hanging."),
+    Option("initial_loss_scale", 2.0**16, Number(0), "fp16: the dynamic loss scale to start from."),
+    Option("loss_scale_growth_interval", 2000, Integer(1, "clean fp16 steps before the loss scale grows"),
+           "fp16: the scale grows by loss_scale_factor after this many steps without an overflow."),
+    Option("loss_scale_factor", 2.0, Number(1),
+           "fp16: the scale is divided by it on an overflow (the step is skipped) and multiplied by it to grow."),
+    Option("min_loss_scale", 1.0, Number(0, inclusive=True), "fp16: the scale never drops below it."),
+)
+
+BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
+ENGINE: Tuple[Option, ...] = tuple(o for o in OPTIONS if o.engine)
+PLUGIN: Tuple[Option, ...] = tuple(o for o in OPTIONS if o.plugin)
+QUESTIONS: Tuple[Option, ...] = tuple(sorted((o for o in PLUGIN if o.question), key=lambda o: o.question.order))
+
+
+# ------------------------------------------------------------------------------------------------ using them
+def check_values(values: Mapping[str, Any], options: Sequence[Option]) -> Dict[str, Any]:
+    """Each option's value in normal form, in declaration order; each requirement is checked against the options
+    before it. Raises ZeroConfigError naming the first option that is wrong."""
+    out: Dict[str, Any] = {}
+    for option in options:
+        value = out[option.name] = option.check(values[option.name])
+        if value == option.default:
+            continue
+        for req in option.requires:
+            if req.other in out and not req.met(out[req.other], BY_NAME[req.other].default):
+                raise ZeroConfigError(req.message.format(name=option.name, value=value, other=req.other,
+                                                         other_value=out[req.other]), option.name)
+    return out
+
+
+def unmet(option: Option, values: Mapping[str, Any]) -> Optional[Requirement]:
+    """The first requirement of `option` that `values` (which must hold the other options) do not meet."""
+    return next((r for r in option.requires if r.other in values
+                 and not r.met(values[r.other], BY_NAME[r.other].default)), None)
+
+
+def args_doc(options: Sequence[Option], indent: int = 4) -> str:
+    """A Google-style "Args:" section with every option's help."""
+    pad = " " * indent
+    lines = [f"{pad}Args:"]
+    for o in options:
+        lines.extend(textwrap.wrap(f"{o.name}: {o.help}", width=116, initial_indent=pad * 2,
+                                   subsequent_indent=pad * 3))
+    return "\n".join(lines) + "\n"
+
+
+def declare(options: Sequence[Option]) -> Callable[[type], type]:
+    """Class decorator: a dataclass whose first fields are `options` (in order, with their defaults), followed by
+    the class's own annotated fields; the options' help is appended to the docstring."""
+
+    def wrap(cls: type) -> type:
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        clash = sorted(set(own) & {o.name for o in options})
+        if clash:
+            raise TypeError(f"{cls.__name__} declares {clash} itself; they are declared in hf_zero.options")
+        cls.__annotations__ = {**{o.name: o.kind.annotation for o in options}, **own}
+        for o in options:
+            setattr(cls, o.name, o.field())
+        cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n" + args_doc(options)
+        return dataclass(cls)
+
+    return wrap
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _default(option: Option) -> str:
+    value = option.kind.plain(option.default)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 2**20 and value % 2**20 == 0:
+        return f"`{value}` ({value // 2**20} MiB)"
+    return f"`{value}`" if value is not None else "`None`"
+
+
+def markdown(options: Sequence[Option] = OPTIONS) -> str:
+    """README's options table, one row per option."""
+    rows = ["| option | default | allowed | in | what it does |", "|---|---|---|---|---|"]
+    for o in options:
+        where = ["ZeroConfig"] if o.engine else []
+        if o.plugin:
+            where.append(f"ZeroPlugin / yaml (`{o.flag}`{', asked' if o.question else ''})")
+        rows.append(f"| `{o.name}` | {_default(o)} | {_cell(o.kind.allowed())} | {', '.join(where)} | "
+                    f"{_cell(o.help)} |")
+    return "\n".join(rows) + "\n"
+
+
+def section_markers(name: str) -> Tuple[str, str]:
+    """The comment lines README puts around a generated table."""
+    return (f"<!-- BEGIN {name} table (generated by `python -m hf_zero.options --write README.md`) -->",
+            f"<!-- END {name} table -->")
+
+
+def readme_section(text: str, name: str) -> str:
+    """The generated table `name` as README holds it (between its markers); ValueError if the markers are missing."""
+    begin, end = section_markers(name)
+    try:
+        start = text.index(begin) + len(begin) + 1
+        return text[start:text.index(end, start)]
+    except ValueError:
+        raise ValueError(f"README has no '{begin}' ... '{end}' section") from None
+
+
+def replace_readme_section(text: str, name: str, table: str) -> str:
+    """`text` with the section `name` replaced by `table`."""
+    old = readme_section(text, name)
+    begin, _ = section_markers(name)
+    start = text.index(begin) + len(begin) + 1
+    return text[:start] + table + text[start + len(old):]
+
+
+def asked(option: Option, values: Mapping[str, Any]) -> bool:
+    """Whether `hf-zero config` asks `option`'s question given the answers so far: not when its `only_if` or one
+    of its requirements is not met."""
+    cond = option.question.only_if if option.question else None
+    if cond and values.get(cond[0]) not in cond[1]:
+        return False
+    return unmet(option, values) is None
