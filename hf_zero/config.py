@@ -2,15 +2,18 @@
 
 Each option is declared once, in hf_zero/options (name, default, allowed values, help, what it needs of other
 options); `ZeroConfig`'s fields, docstring and checks are made from those declarations. The config is the bottom
-layer: it imports only hf_zero.options (which imports nothing else of hf_zero), so the planner, the estimator and the integrations can all read it.
+layer: it imports only hf_zero.options and hf_zero.deepspeed_config (which import nothing else of hf_zero), so the
+planner, the estimator and the integrations can all read it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
+from .deepspeed_config import read_deepspeed_config
 from .options import ENGINE, ZeroConfigError, check_values, declare
 
 __all__ = ["ZeroConfig", "ZeroConfigError"]
@@ -46,7 +49,7 @@ class ZeroConfig:
         choice = self.reduce_dtype or ("fp32" if self.compute_dtype is not None else "compute")
         return torch.float32 if (choice == "fp32" and low) else group_dtype
 
-    # ----------------------------------------------------------------- plain data
+    # ----------------------------------------------------------------- other forms
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ZeroConfig":
         """Build from a mapping (a parsed YAML file); unknown keys are an error that lists the known ones."""
@@ -59,3 +62,19 @@ class ZeroConfig:
     def to_dict(self) -> dict:
         """Plain-data view (for logs, manifests and YAML)."""
         return {o.name: o.kind.plain(getattr(self, o.name)) for o in ENGINE}
+
+    @classmethod
+    def from_deepspeed(cls, config: Union[str, os.PathLike, Mapping[str, Any]], *,
+                       mixed_precision: Optional[str] = None, hidden_size: Optional[int] = None,
+                       **overrides: Any) -> "ZeroConfig":
+        """The engine part of a DeepSpeed config (a JSON file or its dict): stage, offload, bucket sizes (DeepSpeed's
+        elements as bytes), hpZ / MiCS, precision and its loss scale, reduction dtypes.
+
+        Gradient accumulation, clipping, the batch size and activation checkpointing are no engine options: they
+        are named, with where they go, in the one `DeepSpeedConfigWarning` that also names every key hf_zero
+        cannot honour (`hf_zero.deepspeed_config.read_deepspeed_config` returns them all as data). `mixed_precision`
+        and `hidden_size` resolve "auto" as Accelerate would; `overrides` are ZeroConfig keywords that win over the
+        file. Bad values raise ZeroConfigError naming the DeepSpeed key."""
+        settings = read_deepspeed_config(config, mixed_precision=mixed_precision, hidden_size=hidden_size)
+        settings.warn("ZeroConfig")
+        return cls(**{**settings.engine_kwargs(), **overrides})

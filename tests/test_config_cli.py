@@ -352,3 +352,68 @@ def test_every_option_flag_reaches_hf_zero_yaml(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         main(["config", "--yes", "--collectives", "ring", *paths])
     assert exc.value.code == 2 and "--collectives" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ --from-deepspeed
+DS_CONFIG = {
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "reduce_bucket_size": 5e6, "stage3_prefetch_bucket_size": "auto",
+                          "zero_hpz_partition_size": 2, "zero_quantized_weights": True},
+    "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": True},
+    "gradient_accumulation_steps": 4, "gradient_clipping": 1.0, "train_micro_batch_size_per_gpu": "auto",
+}
+
+
+def _ds_file(tmp_path: Path, data: dict = DS_CONFIG) -> str:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_from_deepspeed_writes_both_files(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    acc, zero, paths = _paths(tmp_path)
+    ds = _ds_file(tmp_path)
+    assert main(["config", "--yes", "--from-deepspeed", ds, "--prefetch", "3", "--num-processes", "2", "--cpu",
+                 *paths]) == 0
+    out = capsys.readouterr().out
+    plugin = ZeroPlugin.from_yaml(zero)
+    assert (plugin.stage, plugin.offload_optimizer, plugin.reduce_bucket_size, plugin.hpz_partition_size,
+            plugin.activation_checkpointing, plugin.cpu_checkpointing, plugin.prefetch) == (
+        3, "cpu", 5_000_000 * 2, 2, "on", True, 3)  # bf16 elements: 2 bytes; the flag wins over the file
+    assert yaml.safe_load(acc.read_text())["mixed_precision"] == "bf16"  # the file's own precision
+    assert "mixed_precision set to bf16 (bf16.enabled=true" in out
+    assert f"From the DeepSpeed config {ds}" in out
+    assert "zero_quantized_weights=true: ZeRO++ qwZ" in out
+    assert "gradient_accumulation_steps=4: HfZeroAccelerator(gradient_accumulation_steps=4)" in out
+    assert "gradient_clipping=1.0: accelerator.clip_grad_norm_" in out
+
+
+def test_from_deepspeed_values_are_the_questions_defaults(tmp_path):
+    acc, zero, paths = _paths(tmp_path)
+    # Accelerate's side from flags; every ZeRO question answered with Enter
+    proc = _hf_zero_config(tmp_path, "--from-deepspeed", _ds_file(tmp_path), "--num-processes", "1", "--cpu", *paths,
+                           stdin="\n" * 10)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ZeRO stage: 0 plain data parallel, 1 + optimizer states, 2 + gradients, 3 + parameters (0/1/2/3) [3]" \
+           in proc.stdout and "[cpu]" in proc.stdout and "Prefetch" in proc.stdout
+    plugin = ZeroPlugin.from_yaml(zero)
+    assert (plugin.stage, plugin.offload_optimizer, plugin.cpu_checkpointing, plugin.reduce_bucket_size) == (
+        3, "cpu", True, 10_000_000)
+
+
+@pytest.mark.parametrize("data, flags, message", [
+    ({"zero_optimization": {"stage": 7}}, [], "zero_optimization.stage=7"),
+    ({"bf16": {"enabled": True}}, ["--mixed-precision", "fp16"], "make them agree"),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, ["--stage", "2"],
+     "hpz_partition_size=2 needs stage 3"),
+    (None, [], "does not exist"),
+])
+def test_from_deepspeed_errors_exit_2(tmp_path, capsys, monkeypatch, data, flags, message):
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    acc, zero, paths = _paths(tmp_path)
+    ds = _ds_file(tmp_path, data) if data is not None else str(tmp_path / "missing.json")
+    assert main(["config", "--yes", "--from-deepspeed", ds, *flags, *paths]) == 2
+    assert message in capsys.readouterr().err
+    assert not acc.exists() and not zero.exists()

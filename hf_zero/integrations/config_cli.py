@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             add(o.flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             add(o.flag, type=o.parse, metavar=o.kind.metavar, help=help_text)
+    add("--from-deepspeed", metavar="FILE", default=None,
+        help="a DeepSpeed config JSON: its ZeRO settings become the defaults of the ZeRO questions (flags still win), "
+             "its bf16/fp16 the Accelerate precision; keys hf_zero cannot take are listed with the reason")
     add("--num-processes", type=_parse_num_processes, metavar="N",
         help="processes in the world (default: the GPU count, or 1 on CPU)")
     add("--mixed-precision", type=_parse_mixed_precision, metavar="{" + ",".join(MIXED_PRECISION) + "}")
@@ -237,12 +240,10 @@ def _reconcile(config: Any, zero_defaults: Dict[str, Any]) -> Optional[Any]:
                       "(yes: switch, no: answer Accelerate's questions again) [yes]: ", _yes_no("switch"), True)
         if not switch:
             return None
-        ds = config.deepspeed_config or {}
-        if "zero_stage" in ds:
-            zero_defaults["stage"] = int(ds["zero_stage"])
-        for src, dst in (("offload_optimizer_device", "offload_optimizer"), ("offload_param_device", "offload_params")):
-            if ds.get(src) == "cpu":
-                zero_defaults[dst] = "cpu"
+        settings = _read_deepspeed(_accelerate_deepspeed(config.deepspeed_config or {}), config.mixed_precision)
+        zero_defaults.update(settings.plugin_kwargs())
+        for line in settings.notes("hf-zero config"):
+            print(f"  {line}")
         if config.num_processes is None or config.num_processes < 1:
             config.num_processes = 1
         config.distributed_type = (DistributedType.NO if config.num_processes == 1 and config.num_machines == 1
@@ -431,6 +432,49 @@ def _print_reader_hint(zero_path: Path) -> None:
               f"{CONFIG_ENV}={zero_path.resolve()}")
 
 
+def _read_deepspeed(source: Any, mixed_precision: Optional[str]) -> Any:
+    """read_deepspeed_config, its errors as usage errors (exit 2)."""
+    from ..config import ZeroConfigError
+    from ..deepspeed_config import read_deepspeed_config
+
+    try:
+        return read_deepspeed_config(source, mixed_precision=mixed_precision)
+    except (ZeroConfigError, OSError) as exc:
+        raise ConfigUsageError(str(exc)) from None
+
+
+def _accelerate_deepspeed(ds: Dict[str, Any]) -> Any:
+    """What the DeepSpeed answers of Accelerate's questionnaire say, as a DeepSpeed config: its config file if it
+    names one, else its zero_stage / offload / accumulation / clipping answers in DeepSpeed's own keys."""
+    if ds.get("deepspeed_config_file") not in (None, "", "none"):
+        return ds["deepspeed_config_file"]
+    zero: Dict[str, Any] = {}
+    if ds.get("zero_stage") is not None:
+        zero["stage"] = int(ds["zero_stage"])
+    for src, dst in (("offload_optimizer_device", "offload_optimizer"), ("offload_param_device", "offload_param")):
+        if ds.get(src) not in (None, ""):
+            zero[dst] = {"device": ds[src]}
+    data: Dict[str, Any] = {"zero_optimization": zero} if zero else {}
+    for key in ("gradient_accumulation_steps", "gradient_clipping"):
+        if ds.get(key) is not None:
+            data[key] = ds[key]
+    return data
+
+
+def _deepspeed_precision(settings: Any, accel: Any, args: argparse.Namespace) -> None:
+    """The DeepSpeed file's own bf16/fp16 is the Accelerate precision (as under DeepSpeed, where the file's wins);
+    a different one given on purpose is an error."""
+    if "mixed_precision" not in settings.origin or settings.mixed_precision == accel.mixed_precision:
+        return
+    if args.mixed_precision is None and accel.mixed_precision in (None, "no"):
+        print(f"mixed_precision set to {settings.mixed_precision} ({settings.origin['mixed_precision']} in "
+              f"{settings.source}).")
+        accel.mixed_precision = settings.mixed_precision
+        return
+    raise ConfigUsageError(f"{settings.source} says {settings.origin['mixed_precision']} but the Accelerate mixed "
+                           f"precision is {accel.mixed_precision}: make them agree")
+
+
 def write(args: argparse.Namespace) -> int:
     """Ask (or take from flags) and write both files; 0 when written."""
     from .plugin import ZeroPlugin
@@ -447,6 +491,12 @@ def write(args: argparse.Namespace) -> int:
         accel = _accelerate_from_flags(args, machine)
     else:
         accel = _ask_accelerate(zero_defaults)
+    ds_notes: List[str] = []
+    if args.from_deepspeed:
+        _deepspeed_precision(_read_deepspeed(args.from_deepspeed, args.mixed_precision), accel, args)
+        settings = _read_deepspeed(args.from_deepspeed, accel.mixed_precision)
+        zero_defaults.update(settings.plugin_kwargs())
+        ds_notes = settings.notes("hf-zero config")
     values = _ask_zero(args, zero_defaults, interactive, int(getattr(accel, "num_machines", 1) or 1))
     try:
         plugin = ZeroPlugin(**values)
@@ -479,6 +529,10 @@ def write(args: argparse.Namespace) -> int:
         notes.append(f"could not work out what `accelerate launch` starts: {type(exc).__name__}: {exc}")
     for note in notes:
         print(f"  NOTE: {note}")
+    if ds_notes:
+        print(f"  From the DeepSpeed config {args.from_deepspeed}, not taken as it is:")
+        for line in ds_notes:
+            print(f"    {line}")
     return 0
 
 

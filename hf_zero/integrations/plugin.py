@@ -10,11 +10,12 @@ import dataclasses
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional, Union
 
 import yaml
 
 from ..config import ZeroConfig, ZeroConfigError
+from ..deepspeed_config import read_deepspeed_config
 from ..options import PLUGIN, check_values, declare
 
 CONFIG_ENV = "HF_ZERO_CONFIG_FILE"
@@ -50,6 +51,24 @@ class ZeroPlugin:
         """The engine config for this plugin under Accelerate's mixed-precision setting."""
         return ZeroConfig(mixed_precision=mixed_precision,
                           **{o.name: getattr(self, o.name) for o in PLUGIN if o.engine})
+
+    @classmethod
+    def from_deepspeed(cls, config: Union[str, os.PathLike, Mapping[str, Any]], *,
+                       mixed_precision: Optional[str] = None, hidden_size: Optional[int] = None,
+                       **overrides: Any) -> "ZeroPlugin":
+        """The plugin for a DeepSpeed config (a JSON file or its dict): its ZeRO part and activation checkpointing.
+
+        The precision stays Accelerate's, and gradient accumulation, clipping and the batch size belong to the
+        accelerator / the Trainer: the one `DeepSpeedConfigWarning` says where each goes, together with every key
+        hf_zero cannot honour; `read_deepspeed_config(config).accelerator_kwargs()` / `.training_arguments()` give
+        them as keyword arguments. "auto" precision resolves to `mixed_precision` (default: $ACCELERATE_MIXED_PRECISION,
+        what `accelerate launch` sets), "auto" buckets to `hidden_size`; `overrides` are ZeroPlugin keywords that win
+        over the file."""
+        if mixed_precision is None:
+            mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION") or None
+        settings = read_deepspeed_config(config, mixed_precision=mixed_precision, hidden_size=hidden_size)
+        settings.warn("ZeroPlugin")
+        return cls(**{**settings.plugin_kwargs(), **overrides})
 
     # ---------------------------------------------------------------- files
     @classmethod

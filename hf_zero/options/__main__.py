@@ -1,5 +1,6 @@
-"""`python -m hf_zero.options --markdown [options]`: print README's options table; `--write README.md` puts it into
-the README's marked section, `--check README.md` exits 1 when the README's table differs from the declarations."""
+"""`python -m hf_zero.options --markdown [options|deepspeed]`: print README's options table (default) or its
+"DeepSpeed key -> hf_zero option" table; `--write README.md` puts both into the README's marked sections,
+`--check README.md` exits 1 when the README's tables differ from the declarations."""
 from __future__ import annotations
 
 import argparse
@@ -7,9 +8,10 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from .. import deepspeed_config
 from . import markdown, readme_section, replace_readme_section
 
-TABLES: Dict[str, Callable[[], str]] = {"options": markdown}
+TABLES: Dict[str, Callable[[], str]] = {"options": markdown, "deepspeed": deepspeed_config.markdown}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
