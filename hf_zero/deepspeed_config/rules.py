@@ -21,9 +21,11 @@ class Reader:
 
     # ---- errors and records
     def error(self, key: str, value: Any, why: str, option: Optional[str] = None) -> ZeroConfigError:
+        """The ZeroConfigError for a bad value: the file, the DeepSpeed key and value, and why."""
         return ZeroConfigError(f"{self.out.source}: {key}={show_value(value)} {why}", option)
 
     def set(self, option: str, value: Any, key: str, raw: Any) -> None:
+        """Set hf_zero's `option` from DeepSpeed's `key` (its `raw` value), checked by the option's declaration."""
         try:
             self.out.values[option] = BY_NAME[option].check(value)
         except ZeroConfigError as exc:
@@ -31,11 +33,13 @@ class Reader:
         self.out.origin[option] = key
 
     def ignore(self, key: str, value: Any, why: str) -> None:
+        """Record a key hf_zero does not honour, for the warning."""
         self.out.not_honoured[f"{key}={show_value(value)}"] = why
 
     # ---- what other keys depend on
     @property
     def stage(self) -> int:
+        """The file's stage so far (DeepSpeed's 0 when it sets none)."""
         return self.out.values.get("stage", 0)
 
     @property
@@ -52,10 +56,12 @@ class Reader:
 
     @property
     def element_bytes(self) -> int:
+        """Bytes per element of DeepSpeed's buckets: 2 under bf16/fp16, else 4."""
         return 2 if self.precision in ("bf16", "fp16") else 4
 
     @property
     def fp16_possible(self) -> bool:
+        """Whether fp16 may be the precision (its loss-scale keys then matter)."""
         return self.precision in (None, "fp16") and self.enabled.get("fp16") is not False
 
 

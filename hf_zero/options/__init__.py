@@ -41,6 +41,7 @@ class Requirement:
     message: str
 
     def met(self, other_value: Any, other_default: Any) -> bool:
+        """Whether the other option's value (its default given) meets this requirement."""
         return other_value == other_default if self.allowed is None else other_value in self.allowed
 
 
@@ -81,6 +82,7 @@ class Option:
 
     @property
     def words(self) -> str:
+        """How questions and flag errors name the option."""
         return self.label or self.name.replace("_", " ")
 
     def check(self, value: Any) -> Any:
@@ -92,6 +94,7 @@ class Option:
         return self.kind.parse(text, self.words)
 
     def field(self) -> Any:
+        """The dataclass field `declare` gives the option (its Option in the field's metadata)."""
         return dataclasses.field(default=self.default, metadata={"option": self})
 
 
