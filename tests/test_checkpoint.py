@@ -50,7 +50,10 @@ RESUMES = [
     ("1to4-s3", "gpt2", [(1, 3, 2), (4, 3, 2)]),
     ("stages-3-2-1", "gpt2", [(2, 3, 2), (3, 2, 1), (4, 1, 1)]),
     ("llama-3to4-s0to2", "llama", [(3, 0, 2), (4, 2, 2)]),
+    ("stages-3-2-1-flat", "gpt2", [(2, 3, 2), (3, 2, 1), (4, 1, 1)]),
 ]
+# runs with the flat (NCCL-shaped) collectives: every phase trains, saves and loads (stage 1/2 all-gathers) with them
+FLAT = {"stages-3-2-1-flat"}
 
 
 # ------------------------------------------------------------------------------------------------ worker side
@@ -104,12 +107,12 @@ def llama_in_fp64(kind: str):
         L.LlamaRMSNorm.forward, L.eager_attention_forward = saved
 
 
-def _make_engine(kind, stage, group, seed, bucket):
+def _make_engine(kind, stage, group, seed, bucket, collectives="auto"):
     from hf_zero import ZeroConfig, shard_model
 
     model = models.make_model(kind, seed=seed).double()
     opt = models.make_optimizer(model)
-    cfg = ZeroConfig(stage=stage, reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+    cfg = ZeroConfig(stage=stage, reduce_bucket_size=bucket, allgather_bucket_size=bucket, collectives=collectives)
     return shard_model(model, opt, cfg, process_group=group)
 
 
@@ -131,22 +134,23 @@ def _collect(engine):
         start = seg.group.lo + seg.start - seg.slot.offset  # offset inside the parameter
         segments.append((seg.slot.name, start, {k: v.detach().clone() for k, v in state.items()}))
     return {"state": {k: v.clone() for k, v in sd.items()} if sd else None, "segments": segments,
-            "num_groups": len(engine.groups)}
+            "num_groups": len(engine.groups), "collectives": sorted(engine.collectives)}
 
 
-def resume(rank, world_size, kind, phases, root):
+def resume(rank, world_size, kind, phases, root, collectives="auto"):
     with llama_in_fp64(kind):
-        return _resume(rank, world_size, kind, phases, root)
+        return _resume(rank, world_size, kind, phases, root, collectives)
 
 
-def _resume(rank, world_size, kind, phases, root):
+def _resume(rank, world_size, kind, phases, root, collectives):
     batches = models.make_batches(STEPS, ACCUM)
     step0, out = 0, None
     for i, (n, stage, nsteps) in enumerate(phases):
         group = _group(n)
         if rank < n:
             # phase > 0 starts from a differently seeded model: only the load can make it right
-            engine = _make_engine(kind, stage, group, seed=0 if i == 0 else 7, bucket=BUCKETS[i])
+            engine = _make_engine(kind, stage, group, seed=0 if i == 0 else 7, bucket=BUCKETS[i],
+                                  collectives=collectives)
             if i > 0:
                 manifest = load_checkpoint(engine, os.path.join(root, f"p{i - 1}"))
                 assert manifest["world_size"] == phases[i - 1][0] and manifest["step"] == step0
@@ -270,7 +274,8 @@ def dist_results(root):
         sc = []
         for name, kind, phases in RESUMES:
             os.makedirs(os.path.join(root, name), exist_ok=True)
-            sc.append((name, resume, dict(kind=kind, phases=phases, root=os.path.join(root, name))))
+            sc.append((name, resume, dict(kind=kind, phases=phases, root=os.path.join(root, name),
+                                          collectives="flat" if name in FLAT else "auto")))
         os.makedirs(os.path.join(root, "fail"), exist_ok=True)
         sc.append(("save-failure", save_failure, dict(root=os.path.join(root, "fail"))))
         return sc
@@ -285,6 +290,7 @@ def _max_err(a, b):
 @pytest.mark.parametrize("name,kind,phases", RESUMES, ids=[r[0] for r in RESUMES])
 def test_resume_equals_uninterrupted(dist_results, name, kind, phases):
     ranks = dist_results(WORLD, name)
+    assert ranks[0]["collectives"] == ["flat" if name in FLAT else "chunked"]
     n_last = phases[-1][0]
     assert all(r is None for r in ranks[n_last:])
     ref = reference(kind)

@@ -8,6 +8,8 @@
   `loss_scale_growth_interval` good steps and the `min_loss_scale` clamp, and the weights of the good steps.
 - C: the scaler's state (scale, good-step counter) through save_checkpoint / load_checkpoint at stages 1-3.
 - D: bf16 at world size 3 with activation checkpointing and with offload, against `reference_train(bf16)`.
+- A and B once more with `collectives="flat"` (the NCCL-shaped collectives on gloo): fp16 buckets on the wire at
+  world size 4, the dynamic scaler at world size 3 (padding).
 
 Two spawns: 4 gloo workers (A) and 3 (B, C, D).
 
@@ -170,22 +172,25 @@ def fp16_reference(world, steps, accum, initial_loss_scale, loss_scale_growth_in
 
 
 # -------------------------------------------------------------------------------------------- engine scenarios
-def _fp16_engine(stage, scaler, reduce_dtype):
+def _fp16_engine(stage, scaler, reduce_dtype, collectives=None):
     from hf_zero import ZeroConfig, shard_model
 
     model = models.make_model(KIND)
     kw = dict(stage=stage, mixed_precision="fp16", **scaler)
     if reduce_dtype is not None:  # only when asked: the default config must also build on older code
         kw["reduce_dtype"] = reduce_dtype
+    if collectives is not None:
+        kw["collectives"] = collectives
     return shard_model(model, models.make_optimizer(model), ZeroConfig(**kw))
 
 
-def fp16_run(rank, world_size, stage, steps, accum, scaler, reduce_dtype=None, ckpt_dir=None, save_after=None):
+def fp16_run(rank, world_size, stage, steps, accum, scaler, reduce_dtype=None, ckpt_dir=None, save_after=None,
+             collectives=None):
     """The fp16 recipe through the engine. With `save_after`: save_checkpoint before that step, then a fresh model
     and engine (same config) load_checkpoint and train on."""
     from hf_zero.checkpoint import load_checkpoint, save_checkpoint
 
-    engine = _fp16_engine(stage, scaler, reduce_dtype)
+    engine = _fp16_engine(stage, scaler, reduce_dtype, collectives)
     out = {"dtype": str(next(engine.model.parameters()).dtype), "losses": [], "norms": [], "scale_used": [],
            "scale_after": [], "good_after": [], "changed": []}
     before = engine.full_state_dict()
@@ -193,7 +198,7 @@ def fp16_run(rank, world_size, stage, steps, accum, scaler, reduce_dtype=None, c
         if step == save_after:
             save_checkpoint(engine, ckpt_dir)
             out["saved_scaler"] = dict(engine.scaler.state_dict())
-            engine = _fp16_engine(stage, scaler, reduce_dtype)
+            engine = _fp16_engine(stage, scaler, reduce_dtype, collectives)
             out["fresh_scaler"] = dict(engine.scaler.state_dict())
             load_checkpoint(engine, ckpt_dir)
             out["loaded_scaler"] = dict(engine.scaler.state_dict())
@@ -239,7 +244,9 @@ def make_scenarios(ckpt_root):
         if world_size == WORLD_A:
             a = dict(steps=A_STEPS, accum=A_ACCUM, scaler={"initial_loss_scale": A_SCALE})
             sc = [(f"A-default-s{s}", fp16_run, dict(stage=s, **a)) for s in (2, 3)]
-            return sc + [(f"A-compute-s{s}", fp16_run, dict(stage=s, reduce_dtype="compute", **a)) for s in (2, 3)]
+            sc += [(f"A-compute-s{s}", fp16_run, dict(stage=s, reduce_dtype="compute", **a)) for s in (2, 3)]
+            flat = dict(stage=3, reduce_dtype="compute", collectives="flat", **a)
+            return sc + [("A-compute-s3-flat", fp16_run, flat)]
         assert world_size == WORLD
         b = dict(steps=B_STEPS, accum=B_ACCUM, scaler=b_scaler())
         sc = [(f"B-s{s}", fp16_run, dict(stage=s, **b)) for s in FP16_STAGES]
@@ -247,7 +254,7 @@ def make_scenarios(ckpt_root):
                                          save_after=B_SAVE_AFTER, **b)) for s in FP16_STAGES]
         sc += [(f"D-{what}-s{s}", bf16_run, dict(kind=D_KIND, stage=s, **d_options(what, s)))
                for what in D_VARIANTS for s in D_STAGES]
-        return sc
+        return sc + [("B-s3-flat", fp16_run, dict(stage=3, collectives="flat", **b))]
 
     return scenarios_for
 
@@ -351,9 +358,19 @@ def test_fp16_compute_reduce_is_predivided_and_does_not_overflow(dist_results, s
     """#11 item 6: world size 4, stage 2/3, reduce_dtype="compute": fp16 buckets on the wire, divided by N before
     the sum, so the same 4-rank sum that overflows fp16 undivided stays finite; the step is kept and matches the
     fp16 recipe within fp16 rounding of the summed gradient."""
+    _check_compute_reduce(dist_results(WORLD_A, f"A-compute-s{stage}"))
+
+
+@pytest.mark.slow
+def test_fp16_compute_reduce_with_flat_collectives(dist_results):
+    """The same with collectives="flat": the fp16 buckets go through one reduce_scatter_tensor each (and the fp16
+    parameters through all_gather_into_tensor), as NCCL runs them."""
+    _check_compute_reduce(dist_results(WORLD_A, "A-compute-s3-flat"))
+
+
+def _check_compute_reduce(ranks):
     ref = _a_reference()
     _check_a_precondition(ref)
-    ranks = dist_results(WORLD_A, f"A-compute-s{stage}")
     assert ranks[0]["changed"] == [True] * A_STEPS, f"weights changed per step: {ranks[0]['changed']}"
     for rank, r in enumerate(ranks):
         assert r["scale_after"] == [A_SCALE] * A_STEPS, f"rank {rank}: scale {r['scale_after']} (overflow skip?)"
@@ -400,6 +417,12 @@ def test_fp16_dynamic_scale_matches_reference(dist_results, stage):
     s_min = b_scaler()["min_loss_scale"]
     for r in ranks:
         assert min(r["scale_used"] + r["scale_after"]) >= s_min
+
+
+@pytest.mark.slow
+def test_fp16_dynamic_scale_with_flat_collectives(dist_results):
+    """Stage 3, world size 3 (padding) with collectives="flat": skips, scale sequence and weights as the reference."""
+    _check_fp16_against_reference(dist_results(WORLD, "B-s3-flat"), _b_reference(), WORLD)
 
 
 # -------------------------------------------------------------------------------------------- C
