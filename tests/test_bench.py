@@ -361,3 +361,15 @@ def test_compile_rows_train_like_the_eager_ones(tmp_path):
                       if "torch.compiler.disable" in reason and "pre_forward" in reason)
     assert hook_breaks >= 2, rows["zero3+compile"]["graph_break_reasons"]  # the tiny preset's 2 blocks at least
     assert "zero3+compile:" in proc.stdout and "graph breaks" in proc.stdout
+
+
+def test_collectives_systems_are_each_stage_chunked_and_flat_side_by_side():
+    """`--systems collectives`: hf_zero's stages 1-3 with ZeroConfig.collectives forced to "chunked" and "flat",
+    each stage's two rows next to each other; not in `all`."""
+    from hf_zero.tools.bench.cli import _parse_systems
+    from hf_zero.tools.bench.runner import SYSTEMS
+
+    names = _parse_systems("ddp,collectives")
+    assert names == ["ddp"] + [f"zero{k}-{form}" for k in (1, 2, 3) for form in ("chunked", "flat")]
+    assert [SYSTEMS[n].collectives for n in names[1:]] == ["chunked", "flat"] * 3
+    assert not set(names[1:]) & set(_parse_systems("all"))

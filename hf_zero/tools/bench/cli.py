@@ -71,6 +71,7 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
 
 # ====================================================================================================== CLI
 HIERARCHICAL = "hierarchical"  # --systems alias: hf_zero's HSDP and hpZ systems
+COLLECTIVES = "collectives"  # --systems alias: hf_zero's stages with chunked and flat collectives, side by side
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,8 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a Transformers config.json (with model_type) to build the causal LM from")
     parser.add_argument("--systems", default="all",
                         help=f"comma-separated systems or 'all' (default: every system but hf_zero's hierarchical "
-                             f"ones); known: {', '.join(SYSTEMS)}; '{HIERARCHICAL}' is "
-                             f"{', '.join(n for n, s in SYSTEMS.items() if not s.in_all)}")
+                             f"and collectives ones); known: {', '.join(SYSTEMS)}; '{HIERARCHICAL}' is "
+                             f"{', '.join(n for n, s in SYSTEMS.items() if s.option != 'none')}; '{COLLECTIVES}' is "
+                             f"{', '.join(n for n, s in SYSTEMS.items() if s.collectives != 'auto')} (on gloo "
+                             f"'auto' is chunked, on NCCL flat)")
     parser.add_argument(RANKS_PER_HOST_FLAG, dest="ranks_per_host", type=int, default=None, metavar="K",
                         help="group size K of the hierarchical systems (zero*-hsdp: shard_group_size=K, zero3-hpz: "
                              "hpz_partition_size=K), as if the ranks ran on hosts of K; 1 < K < N dividing N "
@@ -122,11 +125,14 @@ def _parse_systems(text: str) -> List[str]:
     for n in (n.strip() for n in text.split(",")):
         if n == HIERARCHICAL:
             names += [k for k, spec in SYSTEMS.items() if spec.option != "none"]
+        elif n == COLLECTIVES:
+            names += [k for k, spec in SYSTEMS.items() if spec.collectives != "auto"]
         elif n:
             names.append(n)
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
-        raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)} (or {HIERARCHICAL})")
+        raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)} (or {HIERARCHICAL}, "
+                         f"{COLLECTIVES})")
     if not names:
         raise ValueError("--systems is empty")
     seen: List[str] = []

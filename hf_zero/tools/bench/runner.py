@@ -1,5 +1,5 @@
 """hf-zero bench: train one causal LM under DDP, FSDP2, torch's ZeroRedundancyOptimizer, hf_zero stages 0-3 (and,
-on request, its hierarchical options HSDP and hpZ) and DeepSpeed ZeRO-1/2/3.
+on request, its hierarchical options HSDP and hpZ and its two forms of collectives) and DeepSpeed ZeRO-1/2/3.
 
 Every system runs in its own freshly spawned group of worker processes (gloo on CPU, nccl on CUDA), so peak memory
 is per system. Each trains the same model (built from a config, dropout off, same seed) on the same deterministic
@@ -23,6 +23,11 @@ The hierarchical systems (zero1-hsdp, zero2-hsdp, zero3-hsdp: `shard_group_size=
 is 1, N or no divisor of N, the row is skipped with the reason). They are not in `all` (four more worker groups);
 `--systems hierarchical` runs the four.
 
+The collectives systems (zero1-3-chunked, zero1-3-flat: `ZeroConfig.collectives`) run a stage with its
+all-gathers and reduce-scatters issued per chunk (broadcasts and reduces, gloo's "auto") or flat
+(all_gather_into_tensor / reduce_scatter_tensor, NCCL's "auto"), whatever the backend; not in `all`
+either, `--systems collectives` runs the six, the two forms of each stage side by side.
+
 Systems live in the SYSTEMS registry below (name -> SystemSpec with a builder); add peers there. A peer from an
 optional extra (DeepSpeed: `pip install deepspeed`) that cannot be imported gets a row with status "skipped" and the
 reason, never an error. The command line, the table and --json are in cli.py; `--plot out.png` draws
@@ -45,7 +50,7 @@ from .base import Settings, Trainer, WorkerContext, init_worker_group
 from .spawn import error_summary, first_error, spawn, worker_done, worker_failed
 from .trainers import DDPTrainer, FSDP2Trainer, HfZeroTrainer, ZeroRedundancyTrainer
 
-HF_ZERO_PREFIX = "zero"  # zero0..zero3 (and zero*-hsdp, zero3-hpz) are hf_zero; their failure fails the command
+HF_ZERO_PREFIX = "zero"  # zero0..zero3 and their variants (zero*-hsdp, -hpz, -flat) are hf_zero: a failure fails
 RANKS_PER_HOST_FLAG = "--ranks-per-host"
 DEFAULT_TIMEOUT_S = 1800
 COMPILED = "+compile"  # "<system>+compile": the same system with torch.compile applied after it wraps the model
@@ -132,6 +137,7 @@ class SystemSpec:
     unavailable: Optional[Callable[[Settings], Optional[str]]] = None
     jit_extensions: bool = False  # may JIT-compile torch extensions: give it a temporary TORCH_EXTENSIONS_DIR
     option: str = "none"  # hf_zero's hierarchical option ("hsdp", "hpz") over groups of --ranks-per-host ranks
+    collectives: str = "auto"  # hf_zero's ZeroConfig.collectives: "chunked" / "flat" force one form
     in_all: bool = True  # part of `--systems all`
 
 
@@ -247,14 +253,20 @@ def _deepspeed_spec(stage: int) -> SystemSpec:
         note=f"DeepSpeed ZeRO-{stage} ({settings}); comm counted at torch.distributed (scalars left out)")
 
 
-def _hf_zero_spec(stage: int, option: str = "none") -> SystemSpec:
+def _hf_zero_spec(stage: int, option: str = "none", collectives: str = "auto") -> SystemSpec:
     """hf_zero at `stage`; the totals of its comm formula use the option's own K (the split is per run's hosts)."""
     def build(model, ctx: WorkerContext) -> Trainer:
-        return HfZeroTrainer(model, ctx, stage, option, group_size(option, ctx.settings))
+        return HfZeroTrainer(model, ctx, stage, option, group_size(option, ctx.settings), collectives)
 
     def comm(counts: Counts, settings: Settings) -> Dict[str, float]:
         return _merged(_hf_zero_split(counts, settings, stage, option, group_size(option, settings)))
 
+    if collectives != "auto":
+        form = "per-chunk broadcasts / reduces" if collectives == "chunked" else \
+            "all_gather_into_tensor / reduce_scatter_tensor"
+        return SystemSpec(build=build, state_stage=stage, recipe=_hf_zero_recipe, comm_formula=comm, hf_zero=True,
+                          in_all=False, collectives=collectives,
+                          note=f"hf_zero stage {stage}, collectives={collectives!r} ({form})")
     if option == "none":
         return SystemSpec(build=build, state_stage=stage, recipe=_hf_zero_recipe, comm_formula=comm, hf_zero=True)
     field = "shard_group_size" if option == "hsdp" else "hpz_partition_size"
@@ -276,6 +288,8 @@ SYSTEMS: Dict[str, SystemSpec] = {
     # hf_zero's hierarchical options, over groups of --ranks-per-host ranks (not in `all`).
     **{f"zero{k}-hsdp": _hf_zero_spec(k, "hsdp") for k in range(1, 4)},
     "zero3-hpz": _hf_zero_spec(3, "hpz"),
+    # hf_zero's two forms of the collectives, each stage's side by side (not in `all`).
+    **{f"zero{k}-{form}": _hf_zero_spec(k, collectives=form) for k in range(1, 4) for form in ("chunked", "flat")},
     # Peers from optional extras (never dependencies): a builder returns a Trainer; `unavailable` says when the
     # extra is missing, and the row is skipped with that reason.
     **{f"deepspeed_zero{k}": _deepspeed_spec(k) for k in range(1, 4)},

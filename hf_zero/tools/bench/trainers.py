@@ -137,17 +137,18 @@ _OPTION_FIELDS = {"hsdp": "shard_group_size", "hpz": "hpz_partition_size"}
 
 class HfZeroTrainer(Trainer):
     """hf_zero: shard_model(model, AdamW, ZeroConfig(stage=k)), with `option` "hsdp" / "hpz" over groups of
-    `group_size` ranks; no_sync on non-final micro-batches."""
+    `group_size` ranks and `collectives` ("auto", "flat", "chunked"); no_sync on non-final micro-batches."""
 
     def __init__(self, model, ctx: "WorkerContext", stage: int, option: str = "none",
-                 group_size: Optional[int] = None) -> None:
+                 group_size: Optional[int] = None, collectives: str = "auto") -> None:
         import torch
 
         from ... import ZeroConfig, shard_model
 
         self.ctx = ctx
         extra = {_OPTION_FIELDS[option]: group_size} if option != "none" else {}
-        self.config = ZeroConfig(stage=stage, mixed_precision=ctx.settings.mixed_precision, **extra)
+        self.config = ZeroConfig(stage=stage, mixed_precision=ctx.settings.mixed_precision, collectives=collectives,
+                                 **extra)
         optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.settings.lr)
         self.engine = shard_model(model, optimizer, self.config, device=ctx.device)
         self.model = model
@@ -185,4 +186,5 @@ class HfZeroTrainer(Trainer):
         # The engine's own view of its groups: shows the option really ran (K = 1 or N would be the plain stage).
         return {"engine_topology": {"option": topo.option, "group_size": topo.group_size,
                                     "num_hosts": topo.num_hosts},
-                "hpz_secondary_peak_bytes": int(self.engine.memory_stats()["hpz_secondary_peak"])}
+                "hpz_secondary_peak_bytes": int(self.engine.memory_stats()["hpz_secondary_peak"]),
+                "collectives": sorted(self.engine.collectives)}
