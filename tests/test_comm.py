@@ -105,3 +105,13 @@ def test_ledger_books_the_logical_collective(dist_results, world_size, strategy)
 ])
 def test_gloo_device_types(backend, expected):
     assert gloo_device_types(backend) == expected
+
+
+def test_the_option_offers_every_strategy():
+    """ZeroConfig.collectives (declared in hf_zero/options, below the engine) allows exactly "auto" and the
+    strategies engine/collectives registers: a new strategy file must be named in both."""
+    from hf_zero.engine.collectives import CHOICES
+    from hf_zero.options import OPTIONS
+
+    option = next(o for o in OPTIONS if o.name == "collectives")
+    assert set(option.kind.values) == set(CHOICES)
