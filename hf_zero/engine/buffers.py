@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .partitioned import partition_parameter
+from .unit_state import UnitState
 from .planning import GroupPlan
 
 
@@ -78,7 +79,9 @@ class FlatGroup:
         self.plan, self.params, self.stage, self.rank = plan, params, stage, rank
         self.device = device
         self.lo, self.hi = plan.owned_range(rank)
-        self.gathered = stage < 3
+        # stage 3: the state of the unit that owns the group (the unit shares its own), the one answer to
+        # "gathered?"; None below stage 3, where the parameters always hold their values
+        self.unit_state: Optional[UnitState] = UnitState() if stage == 3 else None
         self.version = 0  # bumped whenever the shard's values change (hpZ: secondary slices cut before are stale)
         # `values`: the initial flat values from element `values_lo` on (the whole padded buffer, or at stage 3
         # possibly just the owned range, when the weights were read straight into shards)
@@ -168,11 +171,21 @@ class FlatGroup:
     def free_full(self) -> None:
         """Stage 3: drop the full buffer's memory; parameters keep their shapes but have no data until gathered."""
         self.full.untyped_storage().resize_(0)
-        self.gathered = False
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the parameters hold their full values: always below stage 3, else as the unit's state says."""
+        return self.unit_state is None or self.unit_state.gathered
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes a gather of this group materialises (its padded full buffer)."""
+        return self.full.numel() * self.full.element_size()
 
     @property
     def gathered_bytes(self) -> int:
-        return self.full.untyped_storage().nbytes() if self.stage == 3 else 0
+        """Bytes of full parameters this stage-3 group holds now (0 while its unit is sharded, and below stage 3)."""
+        return self.full_bytes if self.unit_state is not None and not self.unit_state.sharded else 0
 
     def write_master_to_shard(self) -> None:
         """After the optimizer step: the updated master range becomes the compute-dtype parameter range."""

@@ -228,7 +228,7 @@ class ZeroEngine:
             self.gatherer.end_of_backward()
 
     def _guard_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if self._allow_state_dict or all(u.state == Unit.GATHERED for u in self.gatherer.units):
+        if self._allow_state_dict or all(u.state.gathered for u in self.gatherer.units):
             return
         raise RuntimeError(
             "hf_zero: this model's parameters are partitioned across ranks (ZeRO stage 3), so model.state_dict() "

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .buffers import FlatGroup
 from .collectives.hierarchical import PartitionGather
 from .comm import Handle, wait_all
+from .unit_state import GatherState, UnitState
 
 
 class GatheredBytes:
@@ -73,16 +74,16 @@ class _PostBackward(torch.autograd.Function):
 
 
 class Unit:
-    """A module whose parameter groups are gathered and released together."""
-
-    SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
+    """A module whose parameter groups are gathered and released together; `state` (unit_state.py) is the one
+    record of whether they are, which its groups share."""
 
     def __init__(self, index: int, name: str, module: nn.Module, groups: List[FlatGroup], route: PartitionGather,
                  meter: GatheredBytes, is_root: bool = False) -> None:
         self.index, self.name, self.module, self.groups = index, name or "<root>", module, groups
         self.route, self.meter = route, meter  # where the all-gathers come from: plain or hpZ
-        self._gathered_at: List[int] = []  # the shards' versions the current gather was made from
-        self.state = Unit.SHARDED
+        self.state = UnitState()
+        for group in groups:
+            group.unit_state = self.state
         self.handles: List[Handle] = []
         self.in_backward = False
         self.pending_groups = 0  # trainable groups not yet handed to the reducer in this backward
@@ -92,28 +93,26 @@ class Unit:
 
     # ------------------------------------------------------------ gather / release
     def issue_gather(self) -> None:
-        if self.state != Unit.SHARDED:
+        if not self.state.sharded:
             return
         self.route.refresh(self.groups)
         for group in self.groups:
             full = group.alloc_full()
-            self.meter.add(group.gathered_bytes)
+            self.meter.add(group.full_bytes)
             self.handles.append(self.route.all_gather(group, full, f"params of unit {self.name}"))
-        self.state = Unit.GATHERING
-        self._gathered_at = [g.version for g in self.groups]
+        self.state.to_gathering([g.version for g in self.groups])
 
     def refresh(self) -> None:
         """Before a forward: a unit still gathered from a forward that no backward followed (the root, or a
         metric computed with grad enabled), whose shards a step has changed since, is released to be gathered
         again."""
-        if (self.state != Unit.SHARDED and not self.pinned and not self.in_backward
-                and self._gathered_at != [g.version for g in self.groups]):
+        if not self.pinned and not self.in_backward and self.state.stale([g.version for g in self.groups]):
             self.forwards_pending = 0  # those forwards' graphs can no longer be backpropagated into this unit
             self.release()
 
     def keep_secondary(self) -> None:
         """Before a release that a backward will follow: the route keeps what the backward gathers from (hpZ)."""
-        if self.state == Unit.GATHERED:
+        if self.state.gathered:
             self.route.keep(self.groups)
 
     def drop_secondary(self) -> None:
@@ -121,20 +120,18 @@ class Unit:
 
     def wait_gather(self) -> None:
         self.issue_gather()
-        if self.state == Unit.GATHERING:
+        if self.state.value is GatherState.GATHERING:
             wait_all(self.handles)
-            for group in self.groups:
-                group.gathered = True
-            self.state = Unit.GATHERED
+            self.state.to_gathered()
 
     def release(self) -> None:
-        if self.state == Unit.SHARDED or self.pinned:
+        if self.state.sharded or self.pinned:
             return
         self.wait_gather()  # a prefetch that was never used still has to complete
         for group in self.groups:
-            self.meter.add(-group.gathered_bytes)
+            self.meter.add(-group.full_bytes)
             group.free_full()
-        self.state = Unit.SHARDED
+        self.state.to_sharded()
 
     # ------------------------------------------------------------ backward bookkeeping
     def start_backward(self) -> None:
@@ -257,7 +254,7 @@ class Gatherer:
     def wait(self) -> None:
         """Wait for every all-gather in flight (prefetches included); the units stay as they are."""
         for unit in self.units:
-            if unit.state == Unit.GATHERING:
+            if unit.state.value is GatherState.GATHERING:
                 unit.wait_gather()
 
     def on_group_launched(self, group: FlatGroup) -> None:
