@@ -28,7 +28,7 @@ class Settings:
     timeout_s: float
     threads_per_rank: int = 1
     ranks_per_host: Optional[int] = None  # --ranks-per-host: K of the hierarchical systems (None: the default)
-    compile_backend: str = "inductor"  # --compile BACKEND: what the "<system>+compile" rows compile with
+    compile_backend: str = "inductor"  # --compile BACKEND (cli.py's default): what "<system>+compile" rows use
 
     @property
     def tokens_per_step(self) -> int:

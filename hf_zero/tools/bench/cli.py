@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "hpz_partition_size=K), as if the ranks ran on hosts of K; 1 < K < N dividing N "
                              "(default N//2 for an even N >= 4; otherwise those rows are skipped). The run itself "
                              "is on this one host, so its inter-host traffic is 0")
-    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+    parser.add_argument("--compile", nargs="?", const=Settings.compile_backend, default=None, metavar="BACKEND",
                         help="also run each system with torch.compile(BACKEND) applied after it wraps or shards the "
                              "model (default backend inductor; aot_eager compiles faster): a '<system>+compile' row "
                              "beside each eager one, with its graph breaks; the first (warmup) step compiles")
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         mixed_precision=args.mixed_precision, num_processes=world, lr=args.lr, seed=args.seed,
         timeout_s=args.timeout, threads_per_rank=max(1, cpu_count() // world),
         ranks_per_host=getattr(args, "ranks_per_host", None),
-        compile_backend=getattr(args, "compile", None) or "inductor",
+        compile_backend=getattr(args, "compile", None) or Settings.compile_backend,
     )
     log(f"model {model_name}, world {world} ({'nccl' if torch.cuda.is_available() else 'gloo'}), "
          f"batch {settings.batch_size} x seq {settings.seq_len} x accum {settings.grad_accum} per rank, "
