@@ -7,6 +7,11 @@ engine's Comms over several groups: hierarchical.py.
 
 To add a way: a new file with a `Collectives` subclass (base.py) and its name in `STRATEGIES`; the ledger books
 its `wire_bytes` under its `name` (`Ledger.by_strategy`).
+
+`Quantized(inner, block_size, bits=8, weights=True, gradients=True)` (quantized.py) is ZeRO++'s qwZ / qgZ wrapped
+around another strategy: block-quantized all-gather through `inner`, block-quantized reduce-scatter over
+all_to_all, the rest `inner`'s. It takes arguments beyond the group, so it is not a value of the `collectives`
+option and not in `STRATEGIES`: the engine builds it around the strategy `choose` returns.
 """
 from __future__ import annotations
 
@@ -18,11 +23,12 @@ from .base import Chain, Collectives, Handle, issued, wait_all
 from .chunked import Chunked
 from .flat import Flat
 from .local import Local
+from .quantized import Quantized
 
 STRATEGIES: Dict[str, Type[Collectives]] = {"flat": Flat, "chunked": Chunked}
 CHOICES = ("auto", *STRATEGIES)
 
-__all__ = ["Chain", "Chunked", "Collectives", "Flat", "Handle", "Local", "STRATEGIES", "choose",
+__all__ = ["Chain", "Chunked", "Collectives", "Flat", "Handle", "Local", "Quantized", "STRATEGIES", "choose",
            "gloo_device_types", "issued", "wait_all"]
 
 

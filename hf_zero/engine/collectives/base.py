@@ -21,9 +21,12 @@ import torch.distributed as dist
 
 
 class Handle:
-    """An issued collective (one or more works); `wait()` blocks for it and then runs the completion step (once)."""
+    """An issued collective (one or more works); `wait()` blocks for it and then runs the completion step (once).
 
-    def __init__(self, work: Union[None, dist.Work, List[dist.Work]],
+    A work is anything with `wait()`: a torch `dist.Work`, or another `Handle` (a strategy that composes another
+    strategy's collectives and finishes after them, e.g. quantized.py's dequantization)."""
+
+    def __init__(self, work: Union[None, dist.Work, "Handle", List[Union[dist.Work, "Handle"]]],
                  on_done: Optional[Callable[[], None]] = None) -> None:
         self._works = [] if work is None else work if isinstance(work, list) else [work]
         self._on_done, self.done = on_done, False
@@ -56,8 +59,8 @@ class Chain(Handle):
             self._on_done()
 
 
-def issued(works: Union[None, dist.Work, List[dist.Work]], on_done: Optional[Callable[[], None]],
-           async_op: bool) -> Handle:
+def issued(works: Union[None, dist.Work, Handle, List[Union[dist.Work, Handle]]],
+           on_done: Optional[Callable[[], None]], async_op: bool) -> Handle:
     """A handle for `works`, already waited for unless `async_op`."""
     handle = Handle(works, on_done)
     if not async_op:
