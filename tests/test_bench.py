@@ -373,3 +373,27 @@ def test_collectives_systems_are_each_stage_chunked_and_flat_side_by_side():
     assert names == ["ddp"] + [f"zero{k}-{form}" for k in (1, 2, 3) for form in ("chunked", "flat")]
     assert [SYSTEMS[n].collectives for n in names[1:]] == ["chunked", "flat"] * 3
     assert not set(names[1:]) & set(_parse_systems("all"))
+
+
+def test_profile_writes_a_trace_per_rank_and_each_systems_phases(tmp_path):
+    """--profile DIR: a Chrome trace per system and rank holding hf_zero's ranges, and per system the milliseconds
+    per step in each phase: stage 1 reduces and all-gathers after its step, stage 3 gathers and releases and has no
+    all-gather after the step, DDP has no hf_zero phase; the phases of one step fit inside that step's time."""
+    out, traces = tmp_path / "profile.json", tmp_path / "traces"
+    proc = _run_bench(["--systems", "ddp,zero1,zero3", "--profile", str(traces), "--json", str(out)])
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    rows = {r["system"]: r for r in _read_json(out)["rows"]}
+    assert sorted(os.listdir(traces)) == sorted(f"{s}-rank{r}.json" for s in rows for r in range(WORLD))
+    with open(traces / "zero3-rank1.json") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert {"hf_zero.gather", "hf_zero.release", "hf_zero.reduce", "hf_zero.step"} <= names
+    assert rows["ddp"]["phases_ms_per_step"] == {}
+    zero1, zero3 = rows["zero1"]["phases_ms_per_step"], rows["zero3"]["phases_ms_per_step"]
+    assert {"hf_zero.reduce", "hf_zero.step", "hf_zero.step.update", "hf_zero.step.all_gather"} <= set(zero1)
+    assert "hf_zero.gather" not in zero1 and {"hf_zero.gather", "hf_zero.release"} <= set(zero3)
+    for row in (rows["zero1"], rows["zero3"]):
+        phases = row["phases_ms_per_step"]
+        assert 0 < phases["hf_zero.step.update"] <= phases["hf_zero.step"] < row["step_ms"], row
+        outermost = sum(ms for name, ms in phases.items() if name.count(".") == 1)  # step, reduce, gather, ...
+        assert outermost < row["step_ms"], row
+    assert "zero3: ms/step" in proc.stdout and "hf_zero.gather" in proc.stdout

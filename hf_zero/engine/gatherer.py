@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .buffers import FlatGroup
 from .collectives.hierarchical import PartitionGather
 from .comm import Handle, wait_all
+from .profiling import phase
 from .unit_state import GatherState, UnitState
 
 
@@ -95,12 +96,13 @@ class Unit:
     def issue_gather(self) -> None:
         if not self.state.sharded:
             return
-        self.route.refresh(self.groups)
-        for group in self.groups:
-            full = group.alloc_full()
-            self.meter.add(group.full_bytes)
-            self.handles.append(self.route.all_gather(group, full, f"params of unit {self.name}"))
-        self.state.to_gathering([g.version for g in self.groups])
+        with phase("gather"):
+            self.route.refresh(self.groups)
+            for group in self.groups:
+                full = group.alloc_full()
+                self.meter.add(group.full_bytes)
+                self.handles.append(self.route.all_gather(group, full, f"params of unit {self.name}"))
+            self.state.to_gathering([g.version for g in self.groups])
 
     def refresh(self) -> None:
         """Before a forward: a unit still gathered from a forward that no backward followed (the root, or a
@@ -121,17 +123,19 @@ class Unit:
     def wait_gather(self) -> None:
         self.issue_gather()
         if self.state.value is GatherState.GATHERING:
-            wait_all(self.handles)
+            with phase("gather.wait"):
+                wait_all(self.handles)
             self.state.to_gathered()
 
     def release(self) -> None:
         if self.state.sharded or self.pinned:
             return
         self.wait_gather()  # a prefetch that was never used still has to complete
-        for group in self.groups:
-            self.meter.add(-group.full_bytes)
-            group.free_full()
-        self.state.to_sharded()
+        with phase("release"):
+            for group in self.groups:
+                self.meter.add(-group.full_bytes)
+                group.free_full()
+            self.state.to_sharded()
 
     # ------------------------------------------------------------ backward bookkeeping
     def start_backward(self) -> None:

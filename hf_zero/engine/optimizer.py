@@ -26,6 +26,7 @@ from ..config import ZeroConfig
 from .buffers import FlatGroup
 from .comm import Comm
 from .planning import Slot, iter_owned_segments
+from .profiling import phase
 from .reducer import Reducer
 from .scaler import LossScaler
 
@@ -238,6 +239,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         Inside `no_sync()` (a micro-batch that does not synchronise: more backwards will add into the gradient)
         nothing is finalised: see `_clip_accumulating`."""
+        with phase("clip"):
+            return self._clip(max_norm, norm_type)
+
+    def _clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
         if not self.reducer.sync:
             return self._clip_accumulating(max_norm, norm_type)
         if not self.prepare_grads():
@@ -315,20 +320,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             loss = None
         self._opt_called = True  # what torch's LR schedulers check (see _wrapped_by_lr_sched below)
-        if self.prepare_grads():
-            self._attach_grads()
-            self._inner_step()
-            for seg in self.segments:
-                seg.tensor.grad = None
-            self._gather_updated_params()
-            if self.scaler is not None:
-                self.scaler.update(overflow=False)
-        else:
-            before = self.scaler.scale
-            self.scaler.update(overflow=True)
-            logger.warning("hf_zero: fp16 overflow, skipping the step; loss scale %.0f -> %.0f", before,
-                           self.scaler.scale)
-        self.zero_grad()
+        with phase("step"):
+            with phase("step.prepare"):
+                ok = self.prepare_grads()
+            if ok:
+                with phase("step.update"):
+                    self._attach_grads()
+                    self._inner_step()
+                    for seg in self.segments:
+                        seg.tensor.grad = None
+                with phase("step.all_gather"):
+                    self._gather_updated_params()
+                if self.scaler is not None:
+                    self.scaler.update(overflow=False)
+            else:
+                before = self.scaler.scale
+                self.scaler.update(overflow=True)
+                logger.warning("hf_zero: fp16 overflow, skipping the step; loss scale %.0f -> %.0f", before,
+                               self.scaler.scale)
+            self.zero_grad()
         return loss
 
     def _inner_step(self) -> None:

@@ -31,6 +31,7 @@ from torch import nn
 
 from .buffers import BufferPool, FlatGroup
 from .comm import Comm, Handle
+from .profiling import phase
 
 
 def _enclosing_node():
@@ -142,6 +143,13 @@ class Reducer:
             self._next += 1
 
     def _launch(self, st: _GroupState) -> None:
+        with phase("reduce"):
+            self._issue(st)
+        self._throttle()
+        if self.on_launch is not None:
+            self.on_launch(st.group)
+
+    def _issue(self, st: _GroupState) -> None:
         g, tag = st.group, f"grads of group {st.group.plan.index} (unit {st.group.plan.unit})"
         self.finalized = False
         if self.stage == 0:
@@ -166,9 +174,6 @@ class Reducer:
 
             st.handle = self.route.reduce_scatter(owned, bucket, tag, on_done=done)
         self.inflight.append(st.handle)
-        self._throttle()
-        if self.on_launch is not None:
-            self.on_launch(g)
 
     def _throttle(self) -> None:
         """C_B: bound the bytes of buckets in flight; wait for the oldest reductions beyond it."""
@@ -209,12 +214,13 @@ class Reducer:
     # ---------------------------------------------------------------- step side
     def wait(self) -> None:
         """Wait for every reduction in flight (their completions add into the shards); averages nothing."""
-        for h in self.inflight:
-            h.wait()
-        self.inflight.clear()
-        for st in self.states:
-            if st.handle is not None:
-                st.handle.wait()
+        with phase("reduce.wait"):
+            for h in self.inflight:
+                h.wait()
+            self.inflight.clear()
+            for st in self.states:
+                if st.handle is not None:
+                    st.handle.wait()
 
     def finalize(self) -> None:
         """Make every owned gradient range final and averaged (idempotent until the next backward)."""

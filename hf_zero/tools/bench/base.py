@@ -29,6 +29,7 @@ class Settings:
     threads_per_rank: int = 1
     ranks_per_host: Optional[int] = None  # --ranks-per-host: K of the hierarchical systems (None: the default)
     compile_backend: str = "inductor"  # --compile BACKEND (cli.py's default): what "<system>+compile" rows use
+    profile_dir: Optional[str] = None  # --profile DIR: torch.profiler over the timed steps, a trace per rank there
 
     @property
     def tokens_per_step(self) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -36,6 +37,17 @@ def _pair(measured: Optional[float], formula: Optional[float], fmt: Callable[[Op
     if measured is None and formula is None:
         return "n/a"
     return f"{fmt(measured)} ({fmt(formula)})"
+
+
+def format_phases(rows: List[Dict[str, Any]]) -> str:
+    """Under the table with --profile: per system, milliseconds per step in each hf_zero phase (rank 0's)."""
+    lines = []
+    for r in rows:
+        phases = r.get("phases_ms_per_step")
+        if phases is not None:
+            shown = ", ".join(f"{name} {ms:.2f}" for name, ms in phases.items()) or "no hf_zero phases"
+            lines.append(f"{r['system']}: ms/step {r['step_ms']:.1f}; {shown}")
+    return "\n" + "\n".join(lines) if lines else ""
 
 
 def format_table(rows: List[Dict[str, Any]]) -> str:
@@ -93,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "hpz_partition_size=K), as if the ranks ran on hosts of K; 1 < K < N dividing N "
                              "(default N//2 for an even N >= 4; otherwise those rows are skipped). The run itself "
                              "is on this one host, so its inter-host traffic is 0")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="run the timed steps under torch.profiler: a Chrome trace per system and rank in DIR, "
+                             "and each system's milliseconds per step in hf_zero's phases (hf_zero.gather, .reduce, "
+                             ".step, ...: engine/profiling.py) printed under the table and in the JSON. Profiling "
+                             "slows every system: compare its phases, not its tokens/s")
     parser.add_argument("--compile", nargs="?", const=Settings.compile_backend, default=None, metavar="BACKEND",
                         help="also run each system with torch.compile(BACKEND) applied after it wraps or shards the "
                              "model (default backend inductor; aot_eager compiles faster): a '<system>+compile' row "
@@ -202,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout, threads_per_rank=max(1, cpu_count() // world),
         ranks_per_host=getattr(args, "ranks_per_host", None),
         compile_backend=getattr(args, "compile", None) or Settings.compile_backend,
+        profile_dir=os.path.abspath(args.profile) if getattr(args, "profile", None) else None,
     )
     log(f"model {model_name}, world {world} ({'nccl' if torch.cuda.is_available() else 'gloo'}), "
          f"batch {settings.batch_size} x seq {settings.seq_len} x accum {settings.grad_accum} per rank, "
@@ -221,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
     if compiled:
         table += "\n" + "\n".join(f"{r['system']}: {r['graph_breaks']} graph breaks, {r['graphs_compiled']} graphs "
                                   f"({r['compile_backend']})" for r in compiled)
+    table += format_phases(rows)
     to_stdout = args.json != "-"
     print(table, file=sys.stdout if to_stdout else sys.stderr, flush=True)
 

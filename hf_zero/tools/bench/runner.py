@@ -36,6 +36,7 @@ throughput and bytes per rank per system (plot.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -44,7 +45,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .base import Settings, Trainer, WorkerContext, init_worker_group
 from .spawn import error_summary, first_error, spawn, worker_done, worker_failed
@@ -416,11 +417,12 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
     sync()
     dist.barrier()
     comm_before, split_before = trainer.comm_elements(), trainer.comm_split()
-    t0 = time.perf_counter()
-    for _ in range(s.steps):
-        one_step()
-    sync()
-    elapsed = time.perf_counter() - t0
+    with _profiled(s.profile_dir, system, ctx) as phases:
+        t0 = time.perf_counter()
+        for _ in range(s.steps):
+            one_step()
+        sync()
+        elapsed = time.perf_counter() - t0
     comm_after, split_after = trainer.comm_elements(), trainer.comm_split()
     comm = None if comm_after is None else _per_step(comm_after, comm_before, s.steps)
     split = None if split_after is None else {
@@ -473,7 +475,32 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
         **extra,
         **trainer.row_extras(),
         **(_compile_fields(s.compile_backend) if compiled else {}),
+        **({"phases_ms_per_step": {k: v / s.steps for k, v in phases.items()}, "step_ms": elapsed * 1e3 / s.steps}
+           if s.profile_dir else {}),
     }
+
+
+@contextlib.contextmanager
+def _profiled(profile_dir: Optional[str], system: str, ctx: "WorkerContext") -> Iterator[Dict[str, float]]:
+    """--profile: torch.profiler around the timed steps; a Chrome trace per rank in `profile_dir`, and the dict
+    filled afterwards with the total milliseconds of each `hf_zero.*` range (engine/profiling.py) on this rank."""
+    phases: Dict[str, float] = {}
+    if profile_dir is None:
+        yield phases
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield phases
+    os.makedirs(profile_dir, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(profile_dir, f"{system}-rank{ctx.rank}.json"))
+    for event in prof.key_averages():
+        if event.key.startswith("hf_zero."):
+            phases[event.key] = event.cpu_time_total / 1e3  # microseconds -> ms
+    ordered = sorted(phases.items())
+    phases.clear()
+    phases.update(ordered)
 
 
 def _compile_fields(backend: str) -> Dict[str, Any]:
