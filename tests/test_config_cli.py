@@ -385,7 +385,7 @@ def test_from_deepspeed_writes_both_files(tmp_path, capsys, monkeypatch):
     assert yaml.safe_load(acc.read_text())["mixed_precision"] == "bf16"  # the file's own precision
     assert "mixed_precision set to bf16 (bf16.enabled=true" in out
     assert f"From the DeepSpeed config {ds}" in out
-    assert "zero_quantized_weights=true: ZeRO++ qwZ" in out
+    assert plugin.quantized_weights == "int8" and "zero_quantized_weights" not in out  # ZeRO++ qwZ, honoured
     assert "gradient_accumulation_steps=4: HfZeroAccelerator(gradient_accumulation_steps=4)" in out
     assert "gradient_clipping=1.0: accelerator.clip_grad_norm_" in out
 

@@ -118,14 +118,29 @@ def test_zero_offload_tutorial_old_cpu_offload_flag():
 
 def test_zeropp_tutorial():
     config, warning = _read(ZEROPP_TUTORIAL)
-    _only(config, stage=3, reduce_bucket_size=10**7 * 4, hpz_partition_size=16)
+    # ZeRO++'s three: hpZ, qwZ as DeepSpeed's int8 weight all-gather, qgZ as its int4 gradient all-to-all
+    _only(config, stage=3, reduce_bucket_size=10**7 * 4, hpz_partition_size=16, quantized_weights="int8",
+          quantized_gradients="int4")
     lines = warning.splitlines()
     assert lines[0].startswith("hf_zero read the DeepSpeed config (DeepSpeed config dict)")
     named = [line for line in lines if line.startswith("  - ")]
-    assert len(named) == 3, warning  # exactly the keys it cannot honour, each with its reason
+    assert len(named) == 1, warning  # exactly the keys it cannot honour, each with its reason
     assert any("reduce_scatter=false: hf_zero always reduce-scatters" in line for line in named)
-    assert any("zero_quantized_weights=true: ZeRO++ qwZ" in line and "not implemented" in line for line in named)
-    assert any("zero_quantized_gradients=true: ZeRO++ qgZ" in line for line in named)
+
+
+def test_zeropp_flags_outside_stage_3_are_named_as_deepspeed_ignores_them():
+    """DeepSpeed reads zero_quantized_* at stage 3 only: at stage 2 they set nothing here and are named."""
+    config, warning = _read({"zero_optimization": {"stage": 2, "zero_quantized_weights": True,
+                                                   "zero_quantized_gradients": True,
+                                                   "zero_quantized_nontrainable_weights": True}})
+    _only(config, stage=2)
+    for key, what in (("zero_quantized_weights", "qwZ"), ("zero_quantized_gradients", "qgZ"),
+                      ("zero_quantized_nontrainable_weights", "quantized frozen weights")):
+        assert f"{key}=true: DeepSpeed uses {what} at stage 3 only; this file's stage is 2" in warning, warning
+    frozen, warning = _read({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True,
+                                                   "zero_quantized_weights": False}})
+    _only(frozen, stage=3, quantized_frozen_weights="int8")
+    assert warning == ""
 
 
 def test_getting_started_old_boolean_zero_and_fp16():

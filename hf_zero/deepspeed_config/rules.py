@@ -214,6 +214,20 @@ def _group(option: str, what: str, off: Tuple[int, ...]) -> Callable[[Reader, st
     return apply
 
 
+def _quantized(option: str, code: str, what: str) -> Callable[[Reader, str, Any], None]:
+    """A ZeRO++ flag: true at stage 3 sets `option` to `code` (DeepSpeed's width); elsewhere DeepSpeed ignores it."""
+
+    def apply(r: Reader, key: str, value: Any) -> None:
+        if value == AUTO or not _flag(r, key, value):
+            return
+        if r.stage != 3:
+            r.ignore(key, value, f"DeepSpeed uses {what} at stage 3 only; this file's stage is {r.stage}")
+            return
+        r.set(option, code, key, value)
+
+    return apply
+
+
 def _dtype_choice(r: Reader, key: str, value: Any) -> Optional[str]:
     """fp32 -> "fp32"; the compute precision (bf16 / fp16) -> "compute"; another low precision is named."""
     if key == "fp32_allreduce":
@@ -381,13 +395,16 @@ RULES: Tuple[Rule, ...] = (
          _builtin(True, "hf_zero pins offloaded shards whenever it trains on a GPU")),
     Rule(("zero_allow_untested_optimizer",), "(always)", "hf_zero runs any element-wise torch optimizer "
          "(`optimizer_is_elementwise` for others)", _builtin(True, "hf_zero runs any element-wise torch optimizer")),
-    Rule((_ZERO + "zero_quantized_weights", _ZERO + "zero_quantized_nontrainable_weights"), "-",
-         "ZeRO++ qwZ: not implemented yet; named when true",
-         _unsupported("ZeRO++ qwZ (int8 weight all-gathers) is not implemented yet: weights are all-gathered in the "
-                      "compute dtype")),
-    Rule((_ZERO + "zero_quantized_gradients",), "-", "ZeRO++ qgZ: not implemented yet; named when true",
-         _unsupported("ZeRO++ qgZ (quantized gradient reduction) is not implemented yet: gradients are "
-                      "reduce-scattered in reduce_dtype")),
+    Rule((_ZERO + "zero_quantized_weights",), "`quantized_weights`",
+         'true at stage 3: "int8" (ZeRO++ qwZ, DeepSpeed\'s int8 weight all-gather); at stages 0-2 DeepSpeed '
+         'ignores it: named', _quantized("quantized_weights", "int8", "qwZ")),
+    Rule((_ZERO + "zero_quantized_nontrainable_weights",), "`quantized_frozen_weights`",
+         'true at stage 3: "int8" (frozen parameters stored and all-gathered as int8); at stages 0-2 named',
+         _quantized("quantized_frozen_weights", "int8", "quantized frozen weights")),
+    Rule((_ZERO + "zero_quantized_gradients",), "`quantized_gradients`",
+         'true at stage 3: "int4" (ZeRO++ qgZ, DeepSpeed\'s int4 all-to-all gradient reduction); at stages 0-2 '
+         'DeepSpeed ignores it: named (hf_zero also runs qgZ at stage 2: set quantized_gradients there yourself)',
+         _quantized("quantized_gradients", "int4", "qgZ")),
     Rule((_OFF_OPT + "ratio",), "-", "partial offload: named when < 1",
          _unsupported("hf_zero offloads all of the optimizer state or none of it", off=(1, 1.0))),
     Rule((_OFF_OPT + "super_offload",), "-", "named when true",

@@ -95,7 +95,8 @@ class Comm:
     _instances = 0
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, debug: bool = False, debug_timeout_s: float = 120,
-                 ledger: Optional[Ledger] = None, collectives: str = "auto"):
+                 ledger: Optional[Ledger] = None, collectives: str = "auto",
+                 wrap: Optional[Callable[[Collectives], Collectives]] = None):
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group
         self.rank = dist.get_rank(group) if self.distributed else 0
@@ -113,9 +114,20 @@ class Comm:
         self.ledger = ledger if ledger is not None else Ledger()
         self.spans_hosts = False
         self.collectives = collectives
+        self._wrap = wrap  # a strategy around the chosen one (ZeRO++'s quantized collectives: `sibling`)
+        self._debug_timeout_s = debug_timeout_s
         self._strategies: Dict[str, Collectives] = {}
         if group is not None:
             _groups_seen.add(group)
+
+    def sibling(self, wrap: Callable[[Collectives], Collectives]) -> "Comm":
+        """A Comm over the same group and ledger whose strategy is `wrap(the chosen one)`: the engine gives the
+        collectives that ZeRO++ quantizes (stage-3 weight gathers, gradient reduce-scatters) their own Comm, so
+        everything else on the group (checkpoints, exports, the step's gathers) stays exact."""
+        twin = Comm(self.group, debug=self.debug, debug_timeout_s=self._debug_timeout_s, ledger=self.ledger,
+                    collectives=self.collectives, wrap=wrap)
+        twin.spans_hosts = self.spans_hosts
+        return twin
 
     def global_rank(self, rank: int) -> int:
         """The global rank of this group's `rank` (what torch.distributed's `src`/`dst` arguments take)."""
@@ -175,8 +187,9 @@ class Comm:
         """How this group's collectives on `device_type` tensors go on the wire: chosen on first use, then kept."""
         chosen = self._strategies.get(device_type)
         if chosen is None:
-            chosen = self._strategies[device_type] = choose(self.collectives, device_type, self.group, self.rank,
-                                                            self._global_ranks, self.distributed)
+            chosen = choose(self.collectives, device_type, self.group, self.rank, self._global_ranks,
+                            self.distributed)
+            self._strategies[device_type] = chosen = self._wrap(chosen) if self._wrap is not None else chosen
         return chosen
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = True) -> Handle:
@@ -197,7 +210,7 @@ class Comm:
         strategy = self.strategy(inp.device.type)
         self._check("reduce_scatter", tag, inp.numel())
         self._record(strategy, "reduce_scatter", inp, inp.numel())
-        return strategy.reduce_scatter(out, inp, async_op, on_done)
+        return strategy.reduce_scatter(out, inp, async_op, on_done, tag)
 
     def all_reduce(self, tensor: torch.Tensor, tag: str = "", async_op: bool = True,
                    on_done: Optional[Callable[[], None]] = None, control: bool = False,

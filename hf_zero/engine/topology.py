@@ -28,7 +28,9 @@ import torch.distributed as dist
 
 from ..config import ZeroConfig, ZeroConfigError
 from .collectives.hierarchical import HostGather, PartitionGather, ReplicatedReduce
+from .collectives.quantized import Quantized
 from .comm import Comm, Ledger
+from .quantize import ErrorFeedback
 
 logger = logging.getLogger("hf_zero")
 
@@ -53,23 +55,30 @@ class Topology:
     hosts: List[str]
     option: str
     group_size: int
+    weights: Optional[Comm] = None  # ZeRO++ qwZ: the partition group, all-gathers block-quantized
+    gradients: Optional[Comm] = None  # ZeRO++ qgZ: the partition group, reduce-scatters block-quantized
+    feedback: Optional[ErrorFeedback] = None  # qgZ's error feedback: one residual per gradient group
 
     def reduce_route(self) -> Union[Comm, ReplicatedReduce]:
-        """What gradients are reduce-scattered through: the partition group, or under HSDP that group chained to
-        the replicas' all-reduce."""
-        return self.partition if self.replicas is None else ReplicatedReduce(self.partition, self.replicas)
+        """What gradients are reduce-scattered through: the partition group (quantized under qgZ), or under HSDP
+        that group chained to the replicas' all-reduce (never quantized)."""
+        partition = self.gradients or self.partition
+        return partition if self.replicas is None else ReplicatedReduce(partition, self.replicas)
 
     def gather_route(self, meter, is_root: bool = False) -> PartitionGather:
-        """Where one stage-3 unit's all-gathers come from: the partition group, or under hpZ (not the root, which
-        stays gathered into its backward) the host group's secondary slices in the backward. `meter`: counts the
-        slices' bytes (`add_secondary`)."""
+        """Where one stage-3 unit's all-gathers come from: the partition group (quantized under qwZ), or under hpZ
+        (not the root, which stays gathered into its backward) the host group's secondary slices in the backward
+        (slices of the gathered values: under qwZ already quantized, copied exactly). `meter`: counts the slices'
+        bytes (`add_secondary`)."""
+        partition = self.weights or self.partition
         if self.secondary is None or is_root:
-            return PartitionGather(self.partition)
-        return HostGather(self.partition, self.secondary, meter)
+            return PartitionGather(partition)
+        return HostGather(partition, self.secondary, meter)
 
     def comms(self) -> List[Comm]:
         """Every Comm of the engine (world first)."""
-        return [c for c in (self.world, self.partition, self.replicas, self.secondary) if c is not None]
+        return [c for c in (self.world, self.partition, self.replicas, self.secondary, self.weights, self.gradients)
+                if c is not None]
 
     @property
     def num_hosts(self) -> int:
@@ -169,8 +178,25 @@ def build_topology(group: Optional[dist.ProcessGroup], config: ZeroConfig) -> To
         if comm is not None and comm.distributed:
             comm.spans_hosts = len({hosts[world.global_ranks.index(r)] for r in comm.global_ranks}) > 1
     topo = Topology(world, partition, replicas, secondary, hosts, option, k)
+    _quantize(topo, config)
     spanning = [c for c in (partition if option == "hsdp" else None, secondary) if c is not None and c.spans_hosts]
     if spanning and world.rank == 0:
         logger.warning("hf_zero: %s: a group of %d ranks spans hosts, so its all-gathers cross the network; "
                        "K should be the ranks per host ('host')", topo.describe(), k)
     return topo
+
+
+def _quantize(topo: Topology, config: ZeroConfig) -> None:
+    """ZeRO++: the partition group's quantized twins for the stage-3 weight all-gathers (qwZ) and the gradient
+    reduce-scatters (qgZ). A one-rank partition sends nothing, so nothing is quantized there."""
+    if topo.partition.world_size == 1:
+        return
+    block = config.quantization_block_size
+    if config.quantized_weights != "none" and config.stage == 3:
+        w_bits = int(config.quantized_weights[3:])
+        topo.weights = topo.partition.sibling(lambda inner: Quantized(inner, block, w_bits, gradients=False))
+    if config.quantized_gradients != "none" and config.stage >= 2:
+        g_bits = int(config.quantized_gradients[3:])
+        topo.feedback = ErrorFeedback() if config.quantized_error_feedback else None
+        topo.gradients = topo.partition.sibling(
+            lambda inner: Quantized(inner, block, g_bits, weights=False, feedback=topo.feedback))

@@ -100,6 +100,7 @@ class Option:
 
 _DTYPE_CHOICE = Choice(("fp32", "compute"))
 _OFFLOAD = Choice(("none", "cpu"), aliases=((None, "none"), (False, "none")))
+_QUANTIZED = Choice(("none", "int8", "int4"), aliases=((None, "none"), (False, "none")))
 
 OPTIONS: Tuple[Option, ...] = (
     Option("stage", 2, Choice((0, 1, 2, 3), what="is not a ZeRO stage"),
@@ -188,6 +189,35 @@ OPTIONS: Tuple[Option, ...] = (
     Option("loss_scale_factor", 2.0, Number(1),
            "fp16: the scale is divided by it on an overflow (the step is skipped) and multiplied by it to grow."),
     Option("min_loss_scale", 1.0, Number(0, inclusive=True), "fp16: the scale never drops below it."),
+    # ZeRO++'s quantized communication (after the others: ZeroConfig's positional order stays)
+    Option("quantized_weights", "none", _QUANTIZED,
+           'ZeRO++ qwZ (stage 3): each rank block-quantizes its shard of a unit\'s parameters ("int8" or "int4", '
+           'symmetric, one fp32 scale per quantization_block_size elements) and the ranks all-gather codes and scales '
+           'instead of the compute dtype, forward and backward (with hpZ the backward\'s gather inside the host copies '
+           'the already quantized values exactly). The fp32 master weights are never quantized. "none": off.',
+           requires=(Requirement("stage", (3,), "{name}={value!r} quantizes the stage-3 parameter all-gather, so it "
+                                 "needs stage 3; got stage={other_value}. Use stage=3 or quantized_weights='none'."),)),
+    Option("quantized_gradients", "none", _QUANTIZED,
+           'ZeRO++ qgZ (stages 2-3): each gradient bucket\'s chunks are block-quantized per destination rank, '
+           'exchanged with all_to_all and dequantized and summed in fp32 by their owner, instead of a reduce-scatter '
+           'in the reduce dtype ("int8" or "int4"; the paper uses int4). "none": off.',
+           requires=(Requirement("stage", (2, 3), "{name}={value!r} quantizes the per-micro-batch gradient "
+                                 "reduce-scatter of stages 2-3; got stage={other_value}. Use stage 2 or 3, or "
+                                 "quantized_gradients='none'."),)),
+    Option("quantized_frozen_weights", "none", Choice(("none", "int8"), aliases=((None, "none"), (False, "none"))),
+           'Stage 3 with a frozen base (LoRA): frozen parameter shards are stored as int8 codes plus one fp32 scale '
+           'per quantization_block_size elements (4x less than fp32, 2x less than bf16 per rank) and all-gathered as '
+           'codes; the base is quantized once, when the model is sharded. "none": off.',
+           requires=(Requirement("stage", (3,), "{name}={value!r} stores the partitioned frozen parameters "
+                                 "quantized, so it needs stage 3; got stage={other_value}."),)),
+    Option("quantization_block_size", 256, Integer(1, "elements per fp32 scale"),
+           "Elements per quantization block (one fp32 scale each) of the quantized options: smaller blocks cost more "
+           "scales and lose less."),
+    Option("quantized_error_feedback", False, Flag(),
+           "qgZ: keep each rank's quantization error of its gradient bucket and add it to the next micro-batch's "
+           "gradient before quantizing (error feedback), so the error does not accumulate over steps.",
+           requires=(Requirement("quantized_gradients", ("int8", "int4"), "{name}=True needs quantized_gradients "
+                                 "'int8' or 'int4' (it corrects their quantization error); got {other_value!r}."),)),
 )
 
 BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}

@@ -96,9 +96,10 @@ class Collectives(abc.ABC):
 
     @abc.abstractmethod
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool,
-                       on_done: Optional[Callable[[], None]]) -> Handle:
+                       on_done: Optional[Callable[[], None]], tag: str = "") -> Handle:
         """Sum `inp` over ranks and leave chunk `rank` of the sum in `out`. `inp` is scratch: afterwards its
-        contents are unspecified. `out` may be `inp`'s own chunk `rank`."""
+        contents are unspecified. `out` may be `inp`'s own chunk `rank`. `tag` names what is reduced (the same
+        name for the same gradient group every step: what a strategy keeping state per group keys it by)."""
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp, async_op: bool,
                    on_done: Optional[Callable[[], None]]) -> Handle:

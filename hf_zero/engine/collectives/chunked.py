@@ -31,7 +31,7 @@ class Chunked(Collectives):
         return issued(works, None, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool,
-                       on_done: Optional[Callable[[], None]]) -> Handle:
+                       on_done: Optional[Callable[[], None]], tag: str = "") -> Handle:
         chunks = inp.view(-1).chunk(self.world_size)
         works = [dist.reduce(c, self.global_ranks[r], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
                  for r, c in enumerate(chunks)]

@@ -29,5 +29,5 @@ class Flat(Collectives):
         return Handle(_ALL_GATHER(out, inp, group=self.group, async_op=async_op))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool,
-                       on_done: Optional[Callable[[], None]]) -> Handle:
+                       on_done: Optional[Callable[[], None]], tag: str = "") -> Handle:
         return Handle(_REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op), on_done)

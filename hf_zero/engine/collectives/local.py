@@ -19,7 +19,7 @@ class Local(Collectives):
         return Handle(None)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool,
-                       on_done: Optional[Callable[[], None]]) -> Handle:
+                       on_done: Optional[Callable[[], None]], tag: str = "") -> Handle:
         out.copy_(inp)
         return Handle(None, on_done)
 

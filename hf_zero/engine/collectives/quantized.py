@@ -18,11 +18,10 @@ stays visible to the loss scaler after the reduce-scatter.
 
 `wire_bytes` books what is really sent: W chunks of codes plus fp32 scales (`quantized_nbytes` per chunk).
 
-Error feedback (`quantize.ErrorFeedback`) is not applied here. Its hook point is `reduce_scatter`, around
-`quantize_chunks`: `x = feedback.compensate(key, inp)`, quantize `x`, then `feedback.remember(key, x,
-dequantize_chunks(codes, scales, ...))`. The key must name the gradient's flat group, not its bucket (buckets come
-from a pool and are reused by other groups), and the `Collectives` interface carries no key: the engine's wiring
-decides how it gets one.
+Error feedback (`feedback`, a `quantize.ErrorFeedback`): before quantizing, the reduce-scatter adds to `inp` what
+the last quantization of the same gradient group lost, and keeps what this one loses; the group is named by the
+`tag` the engine gives every reduce-scatter (buckets come from a pool and are reused by other groups, so they
+cannot be the key). It holds one fp32 residual per gradient group, the full group's size, on every rank.
 """
 from __future__ import annotations
 
@@ -31,7 +30,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..quantize import check_format, dequantize_chunks, quantize, quantize_chunks, quantized_nbytes
+from ..quantize import (ErrorFeedback, check_format, dequantize_chunks, quantize, quantize_chunks,
+                        quantized_nbytes)
 from .base import Collectives, Handle, issued
 
 
@@ -45,11 +45,11 @@ class Quantized(Collectives):
     name = "quantized"
 
     def __init__(self, inner: Collectives, block_size: int, bits: int = 8, weights: bool = True,
-                 gradients: bool = True) -> None:
+                 gradients: bool = True, feedback: Optional[ErrorFeedback] = None) -> None:
         check_format(block_size, bits)
         super().__init__(inner.group, inner.rank, inner.global_ranks)
         self.inner, self.block_size, self.bits = inner, block_size, bits
-        self.weights, self.gradients = weights, gradients
+        self.weights, self.gradients, self.feedback = weights, gradients, feedback
         self.name = f"quantized-int{bits}"
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Handle:
@@ -68,16 +68,22 @@ class Quantized(Collectives):
         return issued(works, finish, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool,
-                       on_done: Optional[Callable[[], None]]) -> Handle:
+                       on_done: Optional[Callable[[], None]], tag: str = "") -> Handle:
         if not (self.gradients and inp.is_floating_point()):
-            return self.inner.reduce_scatter(out, inp, async_op, on_done)
+            return self.inner.reduce_scatter(out, inp, async_op, on_done, tag)
         w, total = self.world_size, inp.numel()
         if total % w or out.numel() != total // w:
             raise ValueError(f"reduce_scatter: inp of {total} elements into out of {out.numel()} over {w} ranks "
                              f"(equal chunks needed)")
         n = total // w
-        # (error feedback would compensate inp here and remember the residual after quantizing: module docstring)
-        codes, scales = quantize_chunks(inp.reshape(-1), w, self.block_size, self.bits)  # row r goes to rank r
+        x = inp.reshape(-1)
+        if self.feedback is not None:
+            if not tag:
+                raise ValueError("reduce_scatter with error feedback needs a tag naming the gradient group")
+            x = self.feedback.compensate(tag, x)
+        codes, scales = quantize_chunks(x, w, self.block_size, self.bits)  # row r goes to rank r
+        if self.feedback is not None:
+            self.feedback.remember(tag, x, dequantize_chunks(codes, scales, self.block_size, n, self.bits).view(-1))
         got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
         works = [dist.all_to_all_single(got_codes, codes, group=self.group, async_op=True),
                  dist.all_to_all_single(got_scales, scales, group=self.group, async_op=True)]
