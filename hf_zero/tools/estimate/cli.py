@@ -10,9 +10,11 @@ from typing import Any, Dict, List, Optional
 
 from ...config import ZeroConfig
 from .activations import ATTENTION_KINDS, activation_report
-from .plan import (GB, MAX_WORLD, STAGES, Planner, check_ranks_per_host, fits_formula, fits_plan,
-                   fits_with_activations, formula_recipe, formula_report, hierarchical_formula_report,
-                   hierarchical_plan_report, plan_report)
+from .formulas import DEFAULT_BLOCK_SIZE
+from .plan import (GB, MAX_WORLD, STAGES, ZEROPP_RANKS_PER_HOST, ZEROPP_WORLDS, Planner, check_ranks_per_host,
+                   fits_formula, fits_plan, fits_with_activations, formula_recipe, formula_report,
+                   hierarchical_formula_report, hierarchical_plan_report, plan_report, zeropp_formula_report,
+                   zeropp_plan_report)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", choices=ATTENTION_KINDS, default="eager",
                         help="eager keeps the a*s*s attention probabilities (the paper's count); sdpa: a fused "
                              "flash / memory-efficient kernel that does not")
+    parser.add_argument("--zeropp", action="store_true",
+                        help="ZeRO++ instead (Wang et al. 2023): intra- and inter-host bytes per rank and step of "
+                             "stage 3 plain, hpZ, qwZ, hpZ + qwZ, hpZ + qwZ + qgZ, qgZ, HSDP, stage 2 and stage 2 + "
+                             "qgZ, next to the paper's figures, at N = 64 and 1024 in hosts of 8 (or the given "
+                             "--num-processes / --ranks-per-host)")
+    parser.add_argument("--weights-bits", type=int, choices=(8, 4), default=8, help="--zeropp: qwZ's code width")
+    parser.add_argument("--gradients-bits", type=int, choices=(8, 4), default=4, help="--zeropp: qgZ's code width")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                        help="--zeropp: elements per fp32 scale (quantization_block_size)")
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
 
 
@@ -65,6 +76,8 @@ def _table(header: List[str], rows: List[List[str]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.zeropp:
+        return run_zeropp(args)
     t0 = time.perf_counter()
     stages = STAGES if args.stage is None else (args.stage,)
     n = args.num_processes
@@ -227,3 +240,85 @@ def _render_activations(act: Dict[str, Any]) -> List[str]:
             _table(["", "one layer GB", "layers keep GB", "outside layers GB", "stored GB", "peak GB"], rows),
             f"Formula: {act['formula']}. The paper's 16-bit formula for these layers alone: "
             f"{_gb(act['paper_layers_16bit'])} GB."]
+
+
+# ------------------------------------------------------------------------------------------------------- ZeRO++
+def run_zeropp(args: argparse.Namespace) -> int:
+    """hf-zero estimate --zeropp: the ZeRO++ table (plan.zeropp_formula_report / zeropp_plan_report)."""
+    t0 = time.perf_counter()
+    given = (("--fits", args.fits is not None), ("--batch-size", args.batch_size is not None),
+             ("--seq-len", args.seq_len is not None), ("--stage", args.stage is not None),
+             ("--trainable-fraction", args.trainable_fraction != 1))
+    ignored = [flag for flag, present in given if present]
+    if ignored:
+        print(f"hf-zero estimate: --zeropp prints its own table (all-trainable stage 3 and stage 2 rows, "
+              f"communication only); drop {', '.join(ignored)}", file=sys.stderr)
+        return 2
+    worlds = ZEROPP_WORLDS if args.num_processes is None else (args.num_processes,)
+    k = args.ranks_per_host or ZEROPP_RANKS_PER_HOST
+    try:
+        for n in worlds:
+            check_ranks_per_host(n, k)
+        if args.block_size < 1 or args.micro_batches < 1:
+            raise ValueError(f"--block-size and --micro-batches must be at least 1, got {args.block_size} and "
+                             f"{args.micro_batches}")
+    except ValueError as exc:
+        default = f" (--zeropp's default K = {ZEROPP_RANKS_PER_HOST})" \
+            if args.ranks_per_host is None and "--ranks-per-host" in str(exc) else ""
+        print(f"hf-zero estimate: error: {exc}{default}", file=sys.stderr)
+        return 2
+    bits = dict(weights_bits=args.weights_bits, gradients_bits=args.gradients_bits, block_size=args.block_size,
+                micro_batches=args.micro_batches)
+    if args.params is not None:
+        r = formula_recipe(args.mixed_precision, args.optimizer_k, args.grad_accum_dtype or "compute")
+        out = zeropp_formula_report(args.params, worlds, k, r.param, r.grad, **bits)
+        out["dtype_bytes"] = {"gather": r.param, "reduce": r.grad}
+    else:
+        from ...integrations.hf_models import meta_model
+
+        try:
+            model = meta_model(args.model)
+        except (OSError, ValueError) as exc:
+            print(f"hf-zero estimate: error: {exc}. Give --model a local config.json or model folder, or --params N",
+                  file=sys.stderr)
+            return 2
+        config = ZeroConfig(mixed_precision=args.mixed_precision, grad_accum_dtype=args.grad_accum_dtype or "fp32")
+        out = zeropp_plan_report(Planner(model, config), worlds, k, **bits)
+    out.update(ranks_per_host=k, **bits)
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    if args.json:
+        print(json.dumps(out, default=float))
+    else:
+        print(_render_zeropp(out))
+    return 0
+
+
+def _render_zeropp(out: Dict[str, Any]) -> str:
+    k, m = out["ranks_per_host"], out["m_bytes"]
+    if out["mode"] == "formula":
+        d = out["dtype_bytes"]
+        how = (f"formula mode: no root unit, no padding; all-gathers {d['gather']} B, reductions {d['reduce']} B "
+               f"per element")
+    else:
+        how = "plan mode: hf_zero's padded flat groups, one collective each, its dtypes (reductions in fp32 " \
+              "under bf16 by default)"
+    lines = [f"ZeRO++ (Wang et al. 2023, arXiv 2306.10209): bytes per step, Ψ = {out['psi']:.4g} trainable "
+             f"parameters, M = 2Ψ = {m / GB:.2f} GB (fp16), qwZ int{out['weights_bits']}, qgZ "
+             f"int{out['gradients_bits']}, one fp32 scale per {out['block_size']} elements, "
+             f"{out['micro_batches']} micro-batch{'es' if out['micro_batches'] > 1 else ''} per step; {how}."]
+    for n, rows in out["worlds"].items():
+        hosts = int(n) // k
+        lines.append(f"N = {n} ranks in {hosts} host{'s' if hosts > 1 else ''} of K = {k}:")
+        table = [[label, f"{row['intra_bytes'] / GB:.3f}", f"{row['inter_bytes'] / GB:.3f}", f"{row['inter_m']:.4f}",
+                  f"{row['inter_per_host_m']:.4f}",
+                  "-" if row["paper_inter_m"] is None or hosts == 1 else f"{row['paper_inter_m']:g}"]
+                 for label, row in rows.items()]
+        lines.append(_table(["", "intra-host GB / rank", "inter-host GB / rank", "inter / M", "inter / M per host",
+                             "paper (per host)"], table))
+    lines += ["Per rank: as the ledger books it (a collective whose group spans hosts is all inter-host).",
+              "Per host: the bytes leaving one host, the paper's count: a ring over all N ranks leaves each host",
+              "once with the per-rank volume; a group of one rank per host (qgZ's all-to-all across hosts, HSDP's",
+              "replica all-reduce) runs K times side by side. Paper: ZeRO-3 3M; ZeRO++ 0.75M = qwZ's forward 0.5M",
+              "+ hpZ's backward 0 + qgZ's 0.25M (the excess here is the fp32 scales)."]
+    lines.append(f"({out['seconds']:.2f} s)")
+    return "\n".join(lines)

@@ -15,6 +15,10 @@ Multiple hosts (``--ranks-per-host K``): for N ranks in hosts of K, each stage's
 communication per step split into intra-host and inter-host (formulas.hierarchical_comm_elements). In plan mode
 HSDP's memory is the planner's own K-way layout (plan_model over K ranks: the padding of a K-way partition).
 
+ZeRO++ (``--zeropp``): intra- and inter-host bytes per rank and step of stage 3 / stage 2 with hpZ, qwZ, qgZ and
+HSDP (formulas.zeropp_collectives), next to the paper's figures; in plan mode summed over the planner's flat groups,
+one collective per group as the engine issues them.
+
 Activations (plan mode with ``--batch-size b --seq-len s``): tools/estimate/activations.py (Korthikanti et al.
 2022, re-derived per term for the real config), with and without activation checkpointing.
 """
@@ -29,8 +33,9 @@ from torch import nn
 
 from ...config import ZeroConfig
 from ...engine.planning import GroupPlan, ShardPlan, plan_model
-from .formulas import (Recipe, comm_elements_per_step, hierarchical_comm_elements, hierarchical_state_bytes,
-                       model_state_bytes, recipe)
+from .formulas import (PAPER_ZEROPP_INTER_M, ZEROPP_COMBINATIONS, Collective, Recipe, comm_elements_per_step,
+                       hierarchical_comm_elements, hierarchical_state_bytes, inter_bytes_per_host, model_state_bytes,
+                       recipe, zeropp_collectives)
 
 STAGES = (0, 1, 2, 3)
 MAX_WORLD = 65536
@@ -356,6 +361,89 @@ def hierarchical_plan_report(planner: "Planner", n: int, k: int, stages: Sequenc
     check_ranks_per_host(n, k)
     return {stage: {option: _plan_row(planner, stage, n, k, option, micro_batches, optimizer_states)
                     for option in hierarchical_options(stage, n, k)} for stage in stages}
+
+
+# ------------------------------------------------------------------------------------------------- ZeRO++
+ZEROPP_WORLDS = (64, 1024)  # the paper's scales: 8 and 128 hosts of 8 ranks
+ZEROPP_RANKS_PER_HOST = 8
+
+
+def zeropp_options(options: Dict[str, Any], weights_bits: int, gradients_bits: int) -> Dict[str, Any]:
+    """A ZEROPP_COMBINATIONS entry's options with its "W" / "G" placeholders set to the code widths."""
+    bits = {"W": weights_bits, "G": gradients_bits}
+    return {key: bits.get(value, value) if isinstance(value, str) else value for key, value in options.items()}
+
+
+def _zeropp_row(collectives: List[Collective], k: int, m_bytes: float, label: str) -> Dict[str, Any]:
+    """One row: bytes per rank on each side, bytes leaving a host, both as multiples of M, the paper's figure, and
+    the collectives (summed by name, side and group shape)."""
+    merged: Dict[Tuple[str, str, int], float] = {}
+    for c in collectives:
+        merged[c.what, c.side, c.host_ranks] = merged.get((c.what, c.side, c.host_ranks), 0) + c.nbytes
+    row: Dict[str, Any] = {side + "_bytes": sum(c.nbytes for c in collectives if c.side == side)
+                           for side in ("intra", "inter")}
+    row["inter_per_host_bytes"] = inter_bytes_per_host(collectives, k)
+    row["inter_m"] = row["inter_bytes"] / m_bytes if m_bytes else 0.0
+    row["inter_per_host_m"] = row["inter_per_host_bytes"] / m_bytes if m_bytes else 0.0
+    row["paper_inter_m"] = PAPER_ZEROPP_INTER_M.get(label)
+    row["collectives"] = [{"what": what, "side": side, "bytes": nbytes, "host_ranks": host_ranks}
+                          for (what, side, host_ranks), nbytes in merged.items()]
+    return row
+
+
+def zeropp_formula_report(psi: float, worlds: Sequence[int], k: int, gather_bytes: int = 2, reduce_bytes: int = 2,
+                          weights_bits: int = 8, gradients_bits: int = 4, block_size: int = 256,
+                          micro_batches: int = 1) -> Dict[str, Any]:
+    """{"worlds": {N: {label: row}}} for Ψ trainable elements (formulas.zeropp_collectives; no root unit, no
+    padding: the paper's count). M = 2Ψ, the model's fp16 bytes."""
+    out: Dict[str, Any] = {"mode": "formula", "psi": psi, "m_bytes": 2 * psi, "worlds": {}}
+    for n in worlds:
+        check_ranks_per_host(n, k)
+        out["worlds"][n] = {label: _zeropp_row(zeropp_collectives(
+            psi, n, k, stage, block_size=block_size, dtype_bytes=gather_bytes, reduce_dtype_bytes=reduce_bytes,
+            micro_batches=micro_batches, **zeropp_options(options, weights_bits, gradients_bits)), k, 2 * psi, label)
+            for label, (stage, options) in ZEROPP_COMBINATIONS.items()}
+    return out
+
+
+_REDUCTIONS = ("reduce-scatter", "qgZ all-to-all", "qgZ all-to-all in host", "qgZ all-to-all across hosts",
+               "replica all-reduce")
+
+
+def _plan_collectives(planner: "Planner", stage: int, n: int, k: int, options: Dict[str, Any], block_size: int,
+                      micro_batches: int) -> List[Collective]:
+    """One combination from the planner: every flat group is one collective per phase (the engine's), with its
+    padded size, its compute dtype for the gathers and the reduce dtype (ZeroConfig.reduce_torch_dtype) for the
+    reductions; the root unit's groups are resident; frozen groups are gathered, never reduced. HSDP lays the
+    model out over K ranks."""
+    cfg = planner.config_for(stage)
+    plan = planner.plan(stage, k if options.get("hsdp") and 1 < k < n else n)
+    root = set(plan.units[0].groups) if stage == 3 else set()
+    out: List[Collective] = []
+    for g in plan.groups:
+        if not g.padded_numel:
+            continue
+        got = zeropp_collectives(g.padded_numel, n, k, stage, block_size=block_size, dtype_bytes=_elem(g.dtype),
+                                 reduce_dtype_bytes=_elem(cfg.reduce_torch_dtype(g.dtype)),
+                                 micro_batches=micro_batches, resident=g.padded_numel if g.index in root else 0,
+                                 **options)
+        out.extend(c for c in got if g.trainable or c.what not in _REDUCTIONS)
+    return out
+
+
+def zeropp_plan_report(planner: "Planner", worlds: Sequence[int], k: int, weights_bits: int = 8,
+                       gradients_bits: int = 4, block_size: int = 256, micro_batches: int = 1) -> Dict[str, Any]:
+    """zeropp_formula_report's table from hf_zero's planner: padded flat groups, one collective per group and phase,
+    hf_zero's dtypes (reductions in fp32 under bf16 unless reduce_dtype="compute"). M = 2Ψ (Ψ: the trainable
+    parameters, unpadded)."""
+    psi = planner.plan(3, 1).num_trainable
+    out: Dict[str, Any] = {"mode": "plan", "psi": psi, "m_bytes": 2 * psi, "worlds": {}}
+    for n in worlds:
+        check_ranks_per_host(n, k)
+        out["worlds"][n] = {label: _zeropp_row(_plan_collectives(
+            planner, stage, n, k, zeropp_options(options, weights_bits, gradients_bits), block_size, micro_batches),
+            k, 2 * psi, label) for label, (stage, options) in ZEROPP_COMBINATIONS.items()}
+    return out
 
 
 # ------------------------------------------------------------------------------------------------- fits
