@@ -843,5 +843,6 @@ def test_zeropp_plan_mode_sums_the_groups(tmp_path, capsys):
     assert rows["stage 3 hpZ"]["intra_bytes"] == 2 * sum(back)
     q = lambda p, bits: 4 * quantized_nbytes(p // 4, 64, bits)  # noqa: E731
     full = rows["stage 3 hpZ + qwZ + qgZ"]
-    assert full["intra_bytes"] == 2 * sum(back) + sum(q(p, 4) for p in sizes)
+    hop1 = lambda p: 2 * quantized_nbytes(p // 2, 64, 4)  # noqa: E731  (qgZ inside a host of 2: rows of P/2)
+    assert full["intra_bytes"] == 2 * sum(back) + sum(hop1(p) for p in sizes)
     assert full["inter_bytes"] == sum(q(p, 8) for p in sizes) + sum(q(p, 4) // 2 for p in sizes)

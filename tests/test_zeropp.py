@@ -55,6 +55,8 @@ def scenarios_for(world_size):
     sc = [(name, engine_train, kw) for name, kw in _cases(world_size).items()]
     if world_size == 3:
         sc.append(("checkpoint", checkpoint_round_trip, {}))
+    if world_size == 4:
+        sc.append(("two-hops", two_hop_reduce, {}))
     return sc
 
 
@@ -176,3 +178,80 @@ def test_checkpoint_of_a_quantized_run_resumes_exactly_with_quantization_on_and_
     for label in ("resumed_quantized", "resumed_plain"):
         for key, value in res["trained"].items():
             assert torch.equal(res[label][key], value), (label, key)
+
+
+# ------------------------------------------------------------------------------------------------ qgZ in two hops
+HOSTS, PER_HOST, CHUNK, BLOCK = 2, 2, 37, 16  # 4 ranks as 2 hosts of 2; chunks the block does not divide
+
+
+def _bucket(rank):
+    g = torch.Generator().manual_seed(500 + rank)
+    return torch.randn(HOSTS * PER_HOST * CHUNK, generator=g)
+
+
+def two_hop_reduce(rank, world_size):
+    """HostsReduce over real gloo groups, ranks 0-1 and 2-3 taken as two hosts (the topology chooses these groups
+    from the hostnames: this runs on one machine, so the groups are given), quantized to int4."""
+    import torch.distributed as dist
+
+    from hf_zero.engine.collectives import Quantized
+    from hf_zero.engine.collectives.hierarchical import HostsReduce
+    from hf_zero.engine.comm import Comm, Ledger
+
+    ledger = Ledger()
+
+    def comm(groups, spans):
+        mine = None
+        for ranks in groups:
+            pg = dist.new_group(ranks)
+            if rank in ranks:
+                mine = pg
+        c = Comm(mine, ledger=ledger, wrap=lambda inner: Quantized(inner, BLOCK, 4, weights=False))
+        c.spans_hosts = spans
+        return c
+
+    intra = comm([[0, 1], [2, 3]], False)
+    inter = comm([[0, 2], [1, 3]], True)
+    bucket = _bucket(rank)
+    owned = bucket[rank * CHUNK:(rank + 1) * CHUNK]
+    done = []
+    HostsReduce(intra, inter).reduce_scatter(owned, bucket, "grads of group 0",
+                                             on_done=lambda: done.append(owned.clone())).wait()
+    return {"out": owned.clone(), "on_done": done, "ledger": ledger.snapshot(), "wire": ledger.by_strategy()}
+
+
+def test_qgz_in_two_hops_sums_host_sums_of_quantized_chunks(dist_results):
+    """Rank h*K + l gets chunk h*K + l of the sum: hop 1 quantizes each rank's row for local index l (the chunks
+    {h'K + l}) and sums the host's rows in fp32; hop 2 quantizes those host sums per destination host and sums them
+    in host order. The reference does exactly that with the plain-PyTorch quantizer of test_quantize, and the
+    ledger books hop 1 inside the host (P elements) and hop 2 across hosts (P / K)."""
+    from test_quantize import ref_round_trip
+
+    n = HOSTS * PER_HOST
+    buckets = [_bucket(r).view(HOSTS, PER_HOST, CHUNK) for r in range(n)]
+    results = dist_results(4, "two-hops")
+    for h in range(HOSTS):
+        for l in range(PER_HOST):
+            rank = h * PER_HOST + l
+            host_sums = []  # on rank (h', l): its host's sums of chunks {h''K + l}, one row per destination host
+            for hp in range(HOSTS):
+                rows = [ref_round_trip(buckets[hp * PER_HOST + lp][:, l].reshape(-1), BLOCK, 4).float()
+                        for lp in range(PER_HOST)]
+                acc = rows[0].clone()
+                for row in rows[1:]:
+                    acc += row
+                host_sums.append(acc.view(HOSTS, CHUNK))
+            parts = [ref_round_trip(host_sums[hp][h], BLOCK, 4).float() for hp in range(HOSTS)]
+            want = parts[0].clone()
+            for part in parts[1:]:
+                want += part
+            got = results[rank]
+            assert torch.equal(got["out"], want), (rank, (got["out"] - want).abs().max())
+            assert len(got["on_done"]) == 1 and torch.equal(got["on_done"][0], want)
+            rs = got["ledger"]["reduce_scatter"]
+            p = n * CHUNK
+            assert (rs["intra_elements"], rs["inter_elements"]) == (p, p // PER_HOST), rs
+            from hf_zero.engine.quantize import quantized_nbytes
+            wire = got["wire"]["quantized-int4"]["reduce_scatter"]
+            assert wire["intra_bytes"] == PER_HOST * quantized_nbytes(p // PER_HOST, BLOCK, 4), wire
+            assert wire["inter_bytes"] == HOSTS * quantized_nbytes(CHUNK, BLOCK, 4), wire

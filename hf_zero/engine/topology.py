@@ -27,7 +27,7 @@ from typing import List, Optional, Tuple, Union
 import torch.distributed as dist
 
 from ..config import ZeroConfig, ZeroConfigError
-from .collectives.hierarchical import HostGather, PartitionGather, ReplicatedReduce
+from .collectives.hierarchical import HostGather, HostsReduce, PartitionGather, ReplicatedReduce
 from .collectives.quantized import Quantized
 from .comm import Comm, Ledger
 from .quantize import ErrorFeedback
@@ -57,11 +57,14 @@ class Topology:
     group_size: int
     weights: Optional[Comm] = None  # ZeRO++ qwZ: the partition group, all-gathers block-quantized
     gradients: Optional[Comm] = None  # ZeRO++ qgZ: the partition group, reduce-scatters block-quantized
-    feedback: Optional[ErrorFeedback] = None  # qgZ's error feedback: one residual per gradient group
+    feedback: Optional[ErrorFeedback] = None  # qgZ's error feedback: one residual per gradient group and hop
+    hosts_reduce: Optional[HostsReduce] = None  # qgZ over ranks on several hosts of K > 1: two hops
 
     def reduce_route(self) -> Union[Comm, ReplicatedReduce]:
         """What gradients are reduce-scattered through: the partition group (quantized under qgZ), or under HSDP
         that group chained to the replicas' all-reduce (never quantized)."""
+        if self.hosts_reduce is not None:
+            return self.hosts_reduce
         partition = self.gradients or self.partition
         return partition if self.replicas is None else ReplicatedReduce(partition, self.replicas)
 
@@ -77,8 +80,9 @@ class Topology:
 
     def comms(self) -> List[Comm]:
         """Every Comm of the engine (world first)."""
-        return [c for c in (self.world, self.partition, self.replicas, self.secondary, self.weights, self.gradients)
-                if c is not None]
+        two_hops = (self.hosts_reduce.intra, self.hosts_reduce.inter) if self.hosts_reduce is not None else ()
+        return [c for c in (self.world, self.partition, self.replicas, self.secondary, self.weights, self.gradients,
+                            *two_hops) if c is not None]
 
     @property
     def num_hosts(self) -> int:
@@ -178,7 +182,7 @@ def build_topology(group: Optional[dist.ProcessGroup], config: ZeroConfig) -> To
         if comm is not None and comm.distributed:
             comm.spans_hosts = len({hosts[world.global_ranks.index(r)] for r in comm.global_ranks}) > 1
     topo = Topology(world, partition, replicas, secondary, hosts, option, k)
-    _quantize(topo, config)
+    _quantize(topo, config, local_sizes)
     spanning = [c for c in (partition if option == "hsdp" else None, secondary) if c is not None and c.spans_hosts]
     if spanning and world.rank == 0:
         logger.warning("hf_zero: %s: a group of %d ranks spans hosts, so its all-gathers cross the network; "
@@ -186,17 +190,43 @@ def build_topology(group: Optional[dist.ProcessGroup], config: ZeroConfig) -> To
     return topo
 
 
-def _quantize(topo: Topology, config: ZeroConfig) -> None:
+def _quantize(topo: Topology, config: ZeroConfig, local_sizes: List[Optional[int]]) -> None:
     """ZeRO++: the partition group's quantized twins for the stage-3 weight all-gathers (qwZ) and the gradient
-    reduce-scatters (qgZ). A one-rank partition sends nothing, so nothing is quantized there."""
+    reduce-scatters (qgZ; in two hops when the partition spans hosts of K > 1 ranks). A one-rank partition sends
+    nothing, so nothing is quantized there."""
     if topo.partition.world_size == 1:
         return
     block = config.quantization_block_size
     if config.quantized_weights != "none" and config.stage == 3:
         w_bits = int(config.quantized_weights[3:])
         topo.weights = topo.partition.sibling(lambda inner: Quantized(inner, block, w_bits, gradients=False))
-    if config.quantized_gradients != "none" and config.stage >= 2:
-        g_bits = int(config.quantized_gradients[3:])
-        topo.feedback = ErrorFeedback() if config.quantized_error_feedback else None
-        topo.gradients = topo.partition.sibling(
-            lambda inner: Quantized(inner, block, g_bits, weights=False, feedback=topo.feedback))
+    if config.quantized_gradients == "none" or config.stage < 2:
+        return
+    g_bits = int(config.quantized_gradients[3:])
+    topo.feedback = ErrorFeedback() if config.quantized_error_feedback else None
+
+    def quantized(inner):
+        return Quantized(inner, block, g_bits, weights=False, feedback=topo.feedback)
+
+    topo.gradients = topo.partition.sibling(quantized)
+    k = _host_size(topo, local_sizes)
+    if k is not None:
+        intra = _blocks(topo.partition, k, config, topo.world.ledger, by_host=True).sibling(quantized)
+        inter = _blocks(topo.partition, k, config, topo.world.ledger, by_host=False).sibling(quantized)
+        inter.spans_hosts = True
+        topo.hosts_reduce = HostsReduce(intra, inter)
+
+
+def _host_size(topo: Topology, local_sizes: List[Optional[int]]) -> Optional[int]:
+    """K for qgZ's two hops: the ranks per host when the partition (the world: HSDP's groups stay inside a host)
+    spans H > 1 hosts of K > 1 consecutive ranks each; None for one hop (one host, one rank per host, or hosts
+    that do not hold equal consecutive blocks, which is logged)."""
+    if not topo.partition.spans_hosts or topo.partition is not topo.world:
+        return None
+    try:
+        k = _ranks_per_host("quantized_gradients", topo.hosts, local_sizes)
+    except ZeroConfigError as exc:
+        if topo.world.rank == 0:
+            logger.warning("hf_zero: qgZ reduces in one hop across hosts: %s", exc)
+        return None
+    return k if 1 < k < topo.world.world_size else None

@@ -4,7 +4,8 @@ Each is chosen once when the engine is built (`Topology.reduce_route` / `gather_
 topology made, each of which puts its collectives on the wire with its own `Collectives` strategy:
 
 - reduce: plain = the partition Comm's reduce-scatter; HSDP (`ReplicatedReduce`) = the reduce-scatter over the
-  partition group, then the all-reduce of the owned range over the replicas, chained to its completion.
+  partition group, then the all-reduce of the owned range over the replicas, chained to its completion; qgZ
+  across hosts (`HostsReduce`) = a quantized reduce-scatter inside the host, then one across hosts.
 - gather (stage 3, one per unit): plain (`PartitionGather`) = the rank's shard copied into its chunk of the full
   buffer, all-gathered over the partition group; hpZ (`HostGather`) = the same, but after a forward that a
   backward will follow each rank keeps its slice of the gathered buffer over its host group (`keep`), and the
@@ -38,6 +39,30 @@ class ReplicatedReduce:
                        on_done: Optional[Callable[[], None]] = None) -> Handle:
         first = self.partition.reduce_scatter(out, inp, tag)
         return Chain(first, lambda: self.replicas.all_reduce(out, f"{tag} across replicas"), on_done)
+
+
+class HostsReduce:
+    """qgZ across hosts (ZeRO++'s hierarchical all-to-all): the quantized reduce-scatter in two hops, first inside
+    the host, then across hosts, so only the host's sums leave it (P/K elements of a P-element bucket per rank
+    instead of P). Ranks r = h*K + l (host h of H, local index l of K); chunk r of the bucket ends on rank r.
+
+    Hop 1, `intra` (the host's K ranks): the bucket's chunks reordered so that row l' holds the chunks {h'K + l'}
+    of every host h', reduce-scattered: local rank l holds its host's sums of the chunks of index l on every host.
+    Hop 2, `inter` (the H ranks of local index l, one per host): those H chunks reduce-scattered, so rank h*K + l
+    holds chunk h*K + l summed over all N ranks. Both Comms quantize (their strategies are `Quantized`); the
+    second hop is issued when the first is waited for (`Chain`), like HSDP's."""
+
+    def __init__(self, intra: "Comm", inter: "Comm") -> None:
+        self.intra, self.inter = intra, inter
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "",
+                       on_done: Optional[Callable[[], None]] = None) -> Handle:
+        hosts, k = self.inter.world_size, self.intra.world_size
+        chunk = inp.numel() // (hosts * k)
+        by_local = inp.view(hosts, k, chunk).transpose(0, 1).contiguous().view(-1)  # row l': chunks {h'K + l'}
+        host_sums = torch.empty(hosts * chunk, dtype=inp.dtype, device=inp.device)
+        first = self.intra.reduce_scatter(host_sums, by_local, f"{tag} (inside the host)")
+        return Chain(first, lambda: self.inter.reduce_scatter(out, host_sums, f"{tag} (across hosts)"), on_done)
 
 
 class PartitionGather:

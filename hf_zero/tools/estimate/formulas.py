@@ -172,7 +172,7 @@ def hierarchical_state_bytes(psi: float, n: int, k: int, stage: int, option: str
 #   hpZ (K):    the backward all-gather over the host's K ranks, intra-host, in the compute dtype (also with qwZ)
 #   qwZ (bits): the forward all-gather and the backward all-gather over N quantized
 #   qgZ (bits): the reduce-scatter quantized; with hosts of 1 < K < N ranks in two hops: an all-to-all inside the
-#               host over all P elements (intra, N chunks of P/N: N quantized_nbytes(P/N)), then an all-to-all of
+#               host over all P elements (intra, K rows of P/K: K quantized_nbytes(P/K)), then an all-to-all of
 #               the host-summed P/K elements among the N/K ranks of the same local index (inter, (N/K)
 #               quantized_nbytes(P/N)); one hop, N quantized_nbytes(P/N), when K = 1 (inter) or K = N (intra)
 #   HSDP (K):   the plain stage over the host's K ranks (intra) and the all-reduce of the Ψ/K gradient shard
@@ -276,7 +276,9 @@ def zeropp_collectives(psi: float, n: int, k: int, stage: int, *, hpz: bool = Fa
         out.append(Collective("reduce-scatter", spans, m * psi * reduce_b, k))
     elif 1 < k < n:  # qgZ's two hops
         chunk = _quantized_bytes(psi, n, block_size, gradients_bits) // n  # quantized_nbytes(P / N)
-        out.append(Collective("qgZ all-to-all in host", "intra", m * n * chunk, k))
+        # hop 1 is a quantized reduce-scatter over the host's K ranks: K rows of P/K (engine HostsReduce)
+        out.append(Collective("qgZ all-to-all in host", "intra", m * _quantized_bytes(psi, k, block_size,
+                                                                                        gradients_bits), k))
         out.append(Collective("qgZ all-to-all across hosts", "inter", m * (n // k) * chunk, 1))
     else:
         out.append(Collective("qgZ all-to-all", spans, m * _quantized_bytes(psi, n, block_size, gradients_bits), k))
