@@ -134,9 +134,13 @@ def test_zeropp_flags_outside_stage_3_are_named_as_deepspeed_ignores_them():
                                                    "zero_quantized_gradients": True,
                                                    "zero_quantized_nontrainable_weights": True}})
     _only(config, stage=2)
-    for key, what in (("zero_quantized_weights", "qwZ"), ("zero_quantized_gradients", "qgZ")):
+    for key, what in (("zero_quantized_weights", "qwZ"), ("zero_quantized_gradients", "qgZ"),
+                      ("zero_quantized_nontrainable_weights", "quantized frozen weights")):
         assert f"{key}=true: DeepSpeed uses {what} at stage 3 only; this file's stage is 2" in warning, warning
-    assert "zero_quantized_nontrainable_weights=true: quantized frozen weights are not implemented yet" in warning
+    frozen, warning = _read({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True,
+                                                   "zero_quantized_weights": False}})
+    _only(frozen, stage=3, quantized_frozen_weights="int8")
+    assert warning == ""
 
 
 def test_getting_started_old_boolean_zero_and_fp16():

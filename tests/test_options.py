@@ -26,7 +26,7 @@ ZEROCONFIG_FIELDS = ["stage", "mixed_precision", "grad_accum_dtype", "reduce_dty
                      "allgather_bucket_size", "prefetch", "units", "offload_optimizer", "offload_params",
                      "optimizer_is_elementwise", "shard_group_size", "hpz_partition_size", "collectives",
                      "debug_collectives", "initial_loss_scale", "loss_scale_growth_interval", "loss_scale_factor",
-                     "min_loss_scale", "quantized_weights", "quantized_gradients",
+                     "min_loss_scale", "quantized_weights", "quantized_gradients", "quantized_frozen_weights",
                      "quantization_block_size", "quantized_error_feedback", "extra"]
 
 
@@ -87,7 +87,7 @@ def test_zero_plugin_fields_and_yaml_keys_are_the_plugin_declarations(tmp_path):
                    optimizer_is_elementwise=True, hpz_partition_size="host", collectives="flat",
                    debug_collectives=True, initial_loss_scale=1024.0, loss_scale_growth_interval=10,
                    loss_scale_factor=4.0, min_loss_scale=0.5, quantized_weights="int8", quantized_gradients="int4",
-                   quantization_block_size=64, quantized_error_feedback=True)
+                   quantized_frozen_weights="int8", quantization_block_size=64, quantized_error_feedback=True)
     assert set(changed) == {o.name for o in PLUGIN} - {"shard_group_size"}  # excluded by hpz_partition_size
     plugin = ZeroPlugin(**changed)
     plugin.to_yaml(tmp_path / "hf_zero.yaml")

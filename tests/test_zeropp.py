@@ -23,9 +23,12 @@ from hf_zero.engine.quantize import quantized_nbytes
 WORLD_SIZES = (2, 3, 4)
 # The per-step loss gap to plain training allowed per option and code width: about 3x the largest gap measured on
 # these tiny models (4 steps, lr 1e-2, worlds 2-4; README "ZeRO++ accuracy"): int8 weights 0.006, int4 weights
-# 0.14 (int4 weights cost accuracy), int8 gradients 0.0004, int4 gradients 0.028 (with int8 weights).
+# 0.14 (int4 weights cost accuracy), int8 gradients 0.0004, int4 gradients 0.028 (with int8 weights), int8 frozen
+# weights under LoRA 0.0094.
 BOUNDS = {("quantized_weights", "int8"): 0.02, ("quantized_weights", "int4"): 0.4,
-          ("quantized_gradients", "int8"): 0.002, ("quantized_gradients", "int4"): 0.08}
+          ("quantized_gradients", "int8"): 0.002, ("quantized_gradients", "int4"): 0.08,
+          ("quantized_frozen_weights", "int8"): 0.03}
+FROZEN = {"quantized_frozen_weights": "int8"}
 
 
 def loss_bound(options):
@@ -36,6 +39,7 @@ QGZ4 = {"quantized_gradients": "int4"}
 
 def _cases(world_size):
     cases = {
+        "llama-lora-s3-frozen": dict(kind="llama", variant="lora", stage=3, zero_options=FROZEN, probe_step=0),
         "gpt2-s3-qwz": dict(kind="gpt2", stage=3, zero_options=QWZ),
         "llama-s3-qwz-qgz": dict(kind="llama", stage=3, zero_options={**QWZ, **QGZ4}),
         "gpt2-s2-qgz8": dict(kind="gpt2", stage=2, zero_options={"quantized_gradients": "int8"}),
@@ -55,6 +59,7 @@ def scenarios_for(world_size):
     sc = [(name, engine_train, kw) for name, kw in _cases(world_size).items()]
     if world_size == 3:
         sc.append(("checkpoint", checkpoint_round_trip, {}))
+        sc.append(("frozen", frozen_values, {}))
     if world_size == 4:
         sc.append(("two-hops", two_hop_reduce, {}))
     return sc
@@ -68,10 +73,10 @@ def dist_results():
 _REFERENCES = {}
 
 
-def _reference(kind):
-    if kind not in _REFERENCES:
-        _REFERENCES[kind] = reference_train(kind)
-    return _REFERENCES[kind]
+def _reference(kind, variant="full"):
+    if (kind, variant) not in _REFERENCES:
+        _REFERENCES[kind, variant] = reference_train(kind, variant)
+    return _REFERENCES[kind, variant]
 
 
 ALL_CASES = [(w, name) for w in WORLD_SIZES for name in _cases(w)]
@@ -80,7 +85,7 @@ ALL_CASES = [(w, name) for w in WORLD_SIZES for name in _cases(w)]
 @pytest.mark.parametrize("world_size,name", ALL_CASES)
 def test_quantized_training_stays_within_the_bound_of_plain_training(dist_results, world_size, name):
     kw = _cases(world_size)[name]
-    ref = _reference(kw["kind"])
+    ref = _reference(kw["kind"], kw.get("variant", "full"))
     ranks = dist_results(world_size, name)
     losses = torch.tensor([r["losses"] for r in ranks], dtype=torch.float64).mean(0)
     want = torch.tensor(ref["losses"], dtype=torch.float64)
@@ -97,9 +102,16 @@ def _expected_bytes(world_size, kw):
     from hf_zero.engine.planning import plan_model
 
     opts = kw["zero_options"]
-    plan = plan_model(models.make_model(kw["kind"]), world_size, ZeroConfig(stage=kw["stage"], **opts))
+    plan = plan_model(models.make_model(kw["kind"], kw.get("variant", "full")), world_size,
+                      ZeroConfig(stage=kw["stage"], **opts))
     block, out = 256, {}
     hpz = opts.get("hpz_partition_size")
+    if opts.get("quantized_frozen_weights"):  # frozen groups all-gather their int8 codes; nothing else quantized
+        per_gather = {g.index: world_size * quantized_nbytes(g.padded_numel // world_size, block, 8)
+                      for g in plan.groups if not g.trainable}
+        total = sum((1 if unit.index == 0 else 2) * sum(per_gather.get(i, 0) for i in unit.groups)
+                    for unit in plan.units)
+        out["quantized-int8"] = {"all_gather": ACCUM * total}
     if opts.get("quantized_weights"):
         bits = int(opts["quantized_weights"][3:])
         per_gather = {g.index: world_size * quantized_nbytes(g.padded_numel // world_size, block, bits)
@@ -255,3 +267,83 @@ def test_qgz_in_two_hops_sums_host_sums_of_quantized_chunks(dist_results):
             wire = got["wire"]["quantized-int4"]["reduce_scatter"]
             assert wire["intra_bytes"] == PER_HOST * quantized_nbytes(p // PER_HOST, BLOCK, 4), wire
             assert wire["inter_bytes"] == HOSTS * quantized_nbytes(CHUNK, BLOCK, 4), wire
+
+
+# ------------------------------------------------------------------------------------------------ frozen weights
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_quantized_frozen_shards_hold_codes_and_scales_only(dist_results, world_size):
+    """memory_stats' frozen parameter bytes are the int8 codes of the rank's frozen shards plus one fp32 scale per
+    block (4x less than the fp32 shard, plus the scales), counted from the plan."""
+    from hf_zero import ZeroConfig
+    from hf_zero.engine.planning import plan_model
+
+    plan = plan_model(models.make_model("llama", "lora"), world_size, ZeroConfig(stage=3, **FROZEN))
+    frozen = [g for g in plan.groups if not g.trainable]
+    assert frozen and all(g.dtype == torch.float32 for g in frozen)
+    want = sum(quantized_nbytes(g.shard_numel, 256, 8) for g in frozen)
+    for r, res in enumerate(dist_results(world_size, "llama-lora-s3-frozen")):
+        stats = res["memory"]["stats"]
+        assert stats["params_frozen"] == want, (r, stats["params_frozen"], want)
+        assert stats["params_frozen"] < sum(4 * g.shard_numel for g in frozen) / 3.9
+
+
+def frozen_values(rank, world_size):
+    """The frozen (LoRA base) weights a stage-3 engine with quantized frozen weights holds: full_state_dict, and
+    inside gathered_parameters() what the forward computes with; after a save and a load, again."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from hf_zero import ZeroConfig, shard_model
+    from hf_zero.checkpoint import load_checkpoint, save_checkpoint
+
+    model = models.make_model("llama", "lora")
+    engine = shard_model(model, models.make_optimizer(model), ZeroConfig(stage=3, **FROZEN))
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    out = {"state": {k: v for k, v in engine.full_state_dict().items() if k in frozen}}
+    with engine.gathered_parameters():
+        out["gathered"] = {n: p.detach().clone() for n, p in model.named_parameters() if n in frozen}
+    folder = [tempfile.mkdtemp(prefix="hfz_frozen_") if rank == 0 else None]
+    dist.broadcast_object_list(folder)
+    save_checkpoint(engine, folder[0])
+    again = models.make_model("llama", "lora", seed=7)  # other weights: the load must replace them
+    fresh = shard_model(again, models.make_optimizer(again), ZeroConfig(stage=3, **FROZEN))
+    load_checkpoint(fresh, folder[0])
+    with fresh.gathered_parameters():
+        out["resumed"] = {n: p.detach().clone() for n, p in again.named_parameters() if n in frozen}
+    return out
+
+
+def test_frozen_weights_are_each_ranks_shard_quantized_and_survive_a_checkpoint(dist_results):
+    """Each frozen flat group's padded values (the plan's layout) cut into the W ranks' shards, each shard
+    quantized and dequantized by the plain-PyTorch reference (blocks of 256 within the shard): what every rank
+    computes with, what full_state_dict gives, and what a checkpoint restores, bit for bit."""
+    from test_quantize import ref_round_trip
+
+    from hf_zero import ZeroConfig
+    from hf_zero.engine.planning import plan_model
+
+    world_size = 3
+    model = models.make_model("llama", "lora")
+    params = dict(model.named_parameters())
+    plan = plan_model(model, world_size, ZeroConfig(stage=3, **FROZEN))
+    want = {}
+    for g in plan.groups:
+        if g.trainable:
+            continue
+        flat = torch.zeros(g.padded_numel)
+        for slot in g.slots:
+            flat[slot.offset:slot.offset + slot.numel] = params[slot.name].detach().reshape(-1)
+        shard = g.padded_numel // world_size
+        values = torch.cat([ref_round_trip(flat[r * shard:(r + 1) * shard], 256, 8) for r in range(world_size)])
+        for slot in g.slots:
+            want[slot.name] = values[slot.offset:slot.offset + slot.numel].view(slot.shape)
+    assert want
+    for r, res in enumerate(dist_results(world_size, "frozen")):
+        for key in ("gathered", "resumed"):
+            assert set(res[key]) == set(want)
+            for name, value in want.items():
+                assert torch.equal(res[key][name], value), (r, key, name)
+        if r == 0:
+            for name, value in want.items():
+                assert torch.equal(res["state"][name], value), name

@@ -398,9 +398,9 @@ RULES: Tuple[Rule, ...] = (
     Rule((_ZERO + "zero_quantized_weights",), "`quantized_weights`",
          'true at stage 3: "int8" (ZeRO++ qwZ, DeepSpeed\'s int8 weight all-gather); at stages 0-2 DeepSpeed '
          'ignores it: named', _quantized("quantized_weights", "int8", "qwZ")),
-    Rule((_ZERO + "zero_quantized_nontrainable_weights",), "-", "named when true (not implemented yet)",
-         _unsupported("quantized frozen weights are not implemented yet: frozen shards are kept and all-gathered in "
-                      "the compute dtype (quantized_weights='int8' quantizes their all-gathers at stage 3)")),
+    Rule((_ZERO + "zero_quantized_nontrainable_weights",), "`quantized_frozen_weights`",
+         'true at stage 3: "int8" (frozen parameters kept and all-gathered as int8); at stages 0-2 named',
+         _quantized("quantized_frozen_weights", "int8", "quantized frozen weights")),
     Rule((_ZERO + "zero_quantized_gradients",), "`quantized_gradients`",
          'true at stage 3: "int4" (ZeRO++ qgZ, DeepSpeed\'s int4 all-to-all gradient reduction); at stages 0-2 '
          'DeepSpeed ignores it: named (hf_zero also runs qgZ at stage 2: set quantized_gradients there yourself)',

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .partitioned import partition_parameter
+from .quantize import dequantize, quantize
 from .unit_state import UnitState
 from .planning import GroupPlan
 
@@ -75,7 +76,7 @@ class FlatGroup:
     def __init__(self, plan: GroupPlan, params: List[nn.Parameter], stage: int, rank: int,
                  device: torch.device, master_dtype: Optional[torch.dtype], master_device: torch.device,
                  accum_dtype: torch.dtype, values: torch.Tensor, shard_device: torch.device,
-                 offload_master: bool = False, values_lo: int = 0) -> None:
+                 offload_master: bool = False, values_lo: int = 0, frozen_block: Optional[int] = None) -> None:
         self.plan, self.params, self.stage, self.rank = plan, params, stage, rank
         self.device = device
         self.lo, self.hi = plan.owned_range(rank)
@@ -100,6 +101,12 @@ class FlatGroup:
             # (the owned range read straight from the files is already a tensor of its own: no second copy)
             self.shard = _host_pinned(shard, device)
             self.full = torch.empty(plan.padded_numel, dtype=plan.dtype, device=device)
+        # quantized frozen weights (stage 3, frozen groups): the shard kept as int8 codes + fp32 scales only
+        self.codes: Optional[torch.Tensor] = None
+        self.scales: Optional[torch.Tensor] = None
+        self.block = frozen_block
+        if stage == 3 and not plan.trainable and frozen_block is not None:
+            self._store_quantized(self.shard)
         self.point_params(self.full)
         if stage == 3:
             for p, slot in zip(params, plan.slots):  # reads outside a gather raise instead of reading freed memory
@@ -187,6 +194,31 @@ class FlatGroup:
         """Bytes of full parameters this stage-3 group holds now (0 while its unit is sharded, and below stage 3)."""
         return self.full_bytes if self.unit_state is not None and not self.unit_state.sharded else 0
 
+    # ---------------------------------------------------------------- quantized frozen shards
+    @property
+    def quantized(self) -> bool:
+        """Whether the shard is kept as int8 codes and scales (quantized_frozen_weights)."""
+        return self.codes is not None
+
+    def _store_quantized(self, values: torch.Tensor) -> None:
+        codes, scales = quantize(values.reshape(-1), self.block, 8)
+        self.codes, self.scales = _host_pinned(codes, self.device), _host_pinned(scales, self.device)
+        self.shard = self.shard.new_empty(0)  # the compute-dtype shard is gone: the codes are the storage
+
+    def frozen_values(self) -> torch.Tensor:
+        """A frozen group's owned values in the compute dtype (dequantized from the codes when quantized)."""
+        if not self.quantized:
+            return self.shard
+        return dequantize(self.codes, self.scales, self.block, self.hi - self.lo, 8, dtype=self.plan.dtype)
+
+    def load_frozen_values(self, values: torch.Tensor) -> None:
+        """Replace a frozen group's owned values (quantized again when the group keeps codes)."""
+        if self.quantized:
+            self._store_quantized(values.to(device=self.codes.device, dtype=self.plan.dtype))
+        else:
+            self.shard.copy_(values)
+        self.version += 1
+
     def write_master_to_shard(self) -> None:
         """After the optimizer step: the updated master range becomes the compute-dtype parameter range."""
         self.version += 1
@@ -195,7 +227,8 @@ class FlatGroup:
 
     def state_bytes(self) -> Dict[str, int]:
         """Bytes of model states this group holds on this rank."""
-        params = _bytes(self.full) if self.stage < 3 else _bytes(self.shard)
+        params = _bytes(self.full) if self.stage < 3 else _bytes(self.shard) + _bytes(self.codes) + _bytes(
+            self.scales)
         grads = _bytes(self._grad_full) if self._grad_full is not None else _bytes(self._grad_shard)
         master = 0 if (self.master is None or self.master_is_shard) else _bytes(self.master)
         trainable = params if self.plan.trainable else 0

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import Chain, Collectives, Handle, choose, gloo_device_types, wait_all
+from .quantize import dequantize_chunks, quantized_nbytes
 
 __all__ = ["Chain", "CollectiveMismatchError", "Comm", "DATA_KINDS", "Handle", "Ledger", "gloo_device_types",
            "groups_seen", "wait_all"]
@@ -199,6 +200,27 @@ class Comm:
         self._check("all_gather", tag, out.numel())
         self._record(strategy, "all_gather", out, out.numel())
         return strategy.all_gather(out, inp, async_op)
+
+    def all_gather_codes(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_size: int,
+                         tag: str = "") -> Handle:
+        """All-gather a shard kept as int8 codes and fp32 scales (quantized frozen weights) and dequantize every
+        rank's chunk into `out` (its dtype) when the handle is waited for. Booked as an all-gather of
+        out.numel() elements (paper counting), sent as codes plus scales ("quantized-int8")."""
+        strategy = self.strategy(out.device.type)
+        inner = getattr(strategy, "inner", strategy)  # a quantizing strategy's own: the codes are ready
+        self._check("all_gather", tag, out.numel())
+        w, n = self.world_size, codes.numel()
+        if self.distributed:
+            self.ledger.record("all_gather", out.numel(), out.element_size(), self.spans_hosts, "quantized-int8",
+                               w * quantized_nbytes(n, block_size, 8))
+        codes, scales = codes.to(out.device, non_blocking=True), scales.to(out.device, non_blocking=True)
+        all_codes, all_scales = codes.new_empty(w * n), scales.new_empty(w * scales.numel())
+        works = [inner.all_gather(all_codes, codes, True), inner.all_gather(all_scales, scales, True)]
+
+        def finish() -> None:
+            dequantize_chunks(all_codes.view(w, -1), all_scales.view(w, -1), block_size, n, 8, out=out)
+
+        return Handle(works, finish)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = True,
                        on_done: Optional[Callable[[], None]] = None) -> Handle:

@@ -170,8 +170,12 @@ class ZeroEngine:
         if loader is not None:  # headers, shapes, missing keys: what can fail short of reading, before any swap
             for gp, (lo, hi) in zip(self.plan.groups, ranges):
                 loader.check(gp, lo, hi)
+        # quantized frozen weights: frozen stage-3 shards kept as int8 codes (floating groups only)
+        quantize_frozen = cfg.stage == 3 and cfg.quantized_frozen_weights == "int8"
         for gp, (lo, hi) in zip(self.plan.groups, ranges):
             members = [params[s.name] for s in gp.slots]
+            frozen_block = (cfg.quantization_block_size if quantize_frozen and not gp.trainable
+                            and gp.dtype.is_floating_point else None)
             # Values in the master dtype for trainable groups (fp32 under mixed precision: the master starts from
             # the un-rounded weights), in the compute dtype for frozen ones.
             master_dtype = (torch.float32 if cfg.compute_dtype is not None else gp.dtype) if gp.trainable else None
@@ -189,7 +193,7 @@ class ZeroEngine:
             accum = torch.float32 if (cfg.grad_accum_dtype == "fp32" and low) else gp.dtype
             groups.append(FlatGroup(gp, members, cfg.stage, rank, self.device, master_dtype, master_device, accum,
                                     full, shard_device, offload_master=cfg.offload_optimizer == "cpu",
-                                    values_lo=lo))
+                                    values_lo=lo, frozen_block=frozen_block))
             if loader is None:  # a model read from its files gets its gradients at the first backward (peak)
                 groups[-1].allocate_grads()
             del full
@@ -334,7 +338,7 @@ class ZeroEngine:
         rank0 = self.comm.rank == 0
         values: Dict[str, torch.Tensor] = {}
         for g in self.groups:
-            src = g.master if g.plan.trainable else g.shard
+            src = g.master if g.plan.trainable else g.frozen_values()
             if g.plan.shard_numel == g.plan.padded_numel:  # not partitioned
                 full = src
             else:

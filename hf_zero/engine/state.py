@@ -73,8 +73,8 @@ def _persistent_buffers(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 def capture_shard_state(engine: ZeroEngine) -> ShardState:
     """This rank's state as views of the engine's own tensors (no copy)."""
     opt = engine.optimizer
-    groups = [GroupShard(g.plan.index, g.lo, g.hi, g.plan.trainable, g.master if g.plan.trainable else g.shard)
-              for g in engine.groups]
+    groups = [GroupShard(g.plan.index, g.lo, g.hi, g.plan.trainable,
+                         g.master if g.plan.trainable else g.frozen_values()) for g in engine.groups]
     name_of = {id(seg.tensor): seg.slot.name for seg in opt.segments}
     segments = []
     for seg in opt.segments:
@@ -129,8 +129,11 @@ def apply_shard_state(engine: ZeroEngine, staged: ShardState) -> None:
     opt = engine.optimizer
     engine.zero_grad()
     for fg, g in zip(engine.groups, staged.groups):
-        (fg.master if fg.plan.trainable else fg.shard).copy_(g.values)
-        fg.write_master_to_shard()
+        if fg.plan.trainable:
+            fg.master.copy_(g.values)
+            fg.write_master_to_shard()
+        else:
+            fg.load_frozen_values(g.values)
     for name, b in staged.buffers.items():
         engine.model.get_buffer(name).copy_(b)
     for seg, s in zip(opt.segments, staged.segments):

@@ -204,6 +204,13 @@ OPTIONS: Tuple[Option, ...] = (
            requires=(Requirement("stage", (2, 3), "{name}={value!r} quantizes the per-micro-batch gradient "
                                  "reduce-scatter of stages 2-3; got stage={other_value}. Use stage 2 or 3, or "
                                  "quantized_gradients='none'."),)),
+    Option("quantized_frozen_weights", "none", Choice(("none", "int8"), aliases=((None, "none"), (False, "none"))),
+           'Stage 3 with a frozen base (LoRA): frozen parameter shards are kept as int8 codes plus one fp32 scale '
+           'per quantization_block_size elements (4x less than fp32, 2x less than bf16 per rank, plus the scales) '
+           'and all-gathered as codes; quantized once, when the model is sharded. The frozen values are then the '
+           'dequantized ones everywhere: forward, full_state_dict, exports and checkpoints. "none": off.',
+           requires=(Requirement("stage", (3,), "{name}={value!r} stores the partitioned frozen parameters "
+                                 "quantized, so it needs stage 3; got stage={other_value}."),)),
     Option("quantization_block_size", 256, Integer(1, "elements per fp32 scale"),
            "Elements per quantization block (one fp32 scale each) of the quantized options: smaller blocks cost more "
            "scales and lose less."),

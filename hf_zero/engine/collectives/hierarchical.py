@@ -13,7 +13,7 @@ topology made, each of which puts its collectives on the wire with its own `Coll
   change (`refresh`) or it is released after the backward (`drop`).
 
 The routes see the flat groups (engine/buffers.py `FlatGroup`: `lo`, `hi`, `shard`, `full`, `version`,
-`plan.padded_numel`) and the Comms (engine/comm.py) by their attributes only.
+`plan.padded_numel`; `quantized`, `codes`, `scales`, `block` for quantized frozen weights) and the Comms (engine/comm.py) by their attributes only.
 """
 from __future__ import annotations
 
@@ -72,6 +72,8 @@ class PartitionGather:
         self.comm = comm
 
     def all_gather(self, group: "FlatGroup", full: torch.Tensor, tag: str) -> Handle:
+        if group.quantized:  # quantized frozen weights: the codes and scales are what the rank keeps
+            return self.comm.all_gather_codes(full, group.codes, group.scales, group.block, tag)
         local = full[group.lo:group.hi]
         local.copy_(group.shard, non_blocking=True)  # from CPU when parameters are offloaded
         return self.comm.all_gather(full, local, tag)
