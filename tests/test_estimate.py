@@ -27,7 +27,7 @@ from hf_zero.tools.estimate.activations import (ActivationShape, activation_byte
                                          activation_shape, layer_activation_bytes, paper_layer_bytes)
 from hf_zero.tools.estimate.plan import (estimate_plan, fits_formula, formula_recipe, formula_report, max_over_ranks, plan_bytes,
                                           upper_bound_bytes)
-from hf_zero.tools.estimate.formulas import model_state_bytes, paper_table
+from hf_zero.tools.estimate.formulas import model_state_bytes, paper_table, recipe
 from hf_zero.engine.planning import plan_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -846,3 +846,27 @@ def test_zeropp_plan_mode_sums_the_groups(tmp_path, capsys):
     hop1 = lambda p: 2 * quantized_nbytes(p // 2, 64, 4)  # noqa: E731  (qgZ inside a host of 2: rows of P/2)
     assert full["intra_bytes"] == 2 * sum(back) + sum(hop1(p) for p in sizes)
     assert full["inter_bytes"] == sum(q(p, 8) for p in sizes) + sum(q(p, 4) // 2 for p in sizes)
+
+
+def test_quantized_frozen_weights_count_codes_and_scales_at_stage_3():
+    """--quantized-frozen-weights: a stage-3 frozen shard is int8 codes plus an fp32 scale per block, in the formula
+    (frozen/N x (1 + 4/block)) and in plan mode (quantized_nbytes of each frozen group's shard, as the engine's
+    memory_stats counts it: tests/test_zeropp.py); other stages and the trainable states are unchanged."""
+    from hf_zero.engine.quantize import quantized_nbytes
+    from hf_zero.tools.estimate.plan import Planner, plan_bytes
+
+    r = recipe("bf16")
+    plain, quantized = (model_state_bytes(1e6, 4, 3, r, 9e6, block) for block in (None, 256))
+    assert plain - quantized == pytest.approx(9e6 / 4 * (2 - (1 + 4 / 256)))
+    assert model_state_bytes(1e6, 4, 2, r, 9e6, 256) == model_state_bytes(1e6, 4, 2, r, 9e6)
+
+    model = models.make_model("llama", "lora")
+    config = ZeroConfig(stage=3, quantized_frozen_weights="int8", quantization_block_size=64)
+    planner = Planner(model, config)
+    plan = planner.plan(3, 3)
+    got = plan_bytes(plan, planner.config_for(3))["params"]
+    want = sum(quantized_nbytes(g.shard_numel, 64, 8) if not g.trainable else 4 * g.shard_numel
+               for g in plan.groups)
+    assert got == want
+    assert plan_bytes(planner.plan(1, 3), planner.config_for(1))["params"] == sum(
+        4 * g.padded_numel for g in planner.plan(1, 3).groups)  # stage 1: the option does not apply

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trainable-fraction", type=float, default=1.0, metavar="F",
                         help="formula mode: the trainable share of --params (LoRA: ~0.01); the rest is frozen and "
                              "counted apart (compute copy only, never reduced)")
+    parser.add_argument("--quantized-frozen-weights", action="store_true",
+                        help="stage 3: frozen parameters kept as int8 codes plus an fp32 scale per --block-size "
+                             "elements (ZeroConfig.quantized_frozen_weights='int8')")
     parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per optimizer step")
     parser.add_argument("--fits", type=float, default=None, metavar="GB",
                         help="also print the smallest N (1..65536) for which each stage fits in GB per device")
@@ -116,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
         r = formula_recipe(args.mixed_precision, args.optimizer_k, args.grad_accum_dtype or "compute")
         psi = args.params * args.trainable_fraction
         frozen = args.params - psi
-        out = formula_report(psi, n or 1, r, args.micro_batches, stages, frozen) if n else {
+        frozen_block = args.block_size if args.quantized_frozen_weights else None
+        out = formula_report(psi, n or 1, r, args.micro_batches, stages, frozen, frozen_block) if n else {
             "mode": "formula", "psi": psi, "frozen": frozen, "recipe": dataclasses.asdict(r), "stages": {}}
         if n:
             out.update(ranks_per_host=k, hosts=n // k,
@@ -124,7 +128,10 @@ def run(args: argparse.Namespace) -> int:
         if budget is not None:
             out["fits"] = {"gb": args.fits, "min_world_size": fits_formula(psi, r, budget, stages, frozen)}
     else:
-        config = ZeroConfig(mixed_precision=args.mixed_precision, grad_accum_dtype=args.grad_accum_dtype or "fp32")
+        quantized = dict(stage=3, quantized_frozen_weights="int8", quantization_block_size=args.block_size) \
+            if args.quantized_frozen_weights else {}
+        config = ZeroConfig(mixed_precision=args.mixed_precision, grad_accum_dtype=args.grad_accum_dtype or "fp32",
+                            **quantized)
         from ...integrations.hf_models import meta_model
 
         try:

@@ -56,8 +56,12 @@ def recipe(mixed_precision: str = "bf16", grad_accum_dtype: str = "compute", opt
 PAPER = Recipe(param=2, grad=2, master=4, optim=8)  # mixed-precision Adam, K = 12
 
 
-def model_state_bytes(psi: float, n: int, stage: int, r: Recipe = PAPER, frozen: float = 0) -> float:
-    """Model-state bytes per rank for Ψ trainable and `frozen` frozen elements on N ranks (no padding)."""
+def model_state_bytes(psi: float, n: int, stage: int, r: Recipe = PAPER, frozen: float = 0,
+                      frozen_block: Optional[int] = None) -> float:
+    """Model-state bytes per rank for Ψ trainable and `frozen` frozen elements on N ranks (no padding).
+    `frozen_block` (stage 3, quantized_frozen_weights): frozen shards as int8 codes plus an fp32 scale per block."""
+    if stage == 3 and frozen_block is not None:
+        return r.total * psi / n + (frozen / n) * (1 + 4 / frozen_block)
     if stage == 0:
         return r.total * psi + r.param * frozen
     if stage == 1:

@@ -33,6 +33,7 @@ from torch import nn
 
 from ...config import ZeroConfig
 from ...engine.planning import GroupPlan, ShardPlan, plan_model
+from ...engine.quantize import quantized_nbytes
 from .formulas import (PAPER_ZEROPP_INTER_M, ZEROPP_COMBINATIONS, Collective, Recipe, comm_elements_per_step,
                        hierarchical_comm_elements, hierarchical_state_bytes, inter_bytes_per_host, model_state_bytes,
                        recipe, zeropp_collectives)
@@ -81,9 +82,13 @@ def plan_bytes(plan: ShardPlan, config: ZeroConfig, rank: int = 0, optimizer_sta
     """Model-state bytes on `rank` for this plan, counted the way ZeroEngine.memory_stats() counts them."""
     out = {"params": 0, "grads": 0, "master": 0, "optimizer_states": 0}
     stage = plan.stage
+    quantized_frozen = stage == 3 and config.quantized_frozen_weights == "int8"
     for g in plan.groups:
         e = _elem(g.dtype)
-        out["params"] += (g.padded_numel if stage < 3 else g.shard_numel) * e
+        if quantized_frozen and not g.trainable and g.dtype.is_floating_point:  # int8 codes + fp32 scales
+            out["params"] += quantized_nbytes(g.shard_numel, config.quantization_block_size, 8)
+        else:
+            out["params"] += (g.padded_numel if stage < 3 else g.shard_numel) * e
         if not g.trainable:
             continue
         out["grads"] += (g.padded_numel if stage < 2 else g.shard_numel) * _elem(_accum_dtype(g, config))
@@ -121,7 +126,8 @@ class Planner:
         self._base: Dict[bool, ShardPlan] = {}
 
     def config_for(self, stage: int) -> ZeroConfig:
-        return dataclasses.replace(self.config, stage=stage)
+        frozen = self.config.quantized_frozen_weights if stage == 3 else "none"  # a stage-3 option
+        return dataclasses.replace(self.config, stage=stage, quantized_frozen_weights=frozen)
 
     def plan(self, stage: int, world_size: int) -> ShardPlan:
         key = stage == 3
@@ -258,14 +264,16 @@ def plan_report(model: nn.Module, world_size: int, config: ZeroConfig, stages: S
 
 # ------------------------------------------------------------------------------------------------- formula mode
 def formula_report(psi: float, world_size: int, r: Recipe, micro_batches: int = 1,
-                   stages: Sequence[int] = STAGES, frozen: float = 0) -> Dict[str, Any]:
-    """The paper's table for Ψ trainable (and `frozen`) parameters on `world_size` ranks."""
+                   stages: Sequence[int] = STAGES, frozen: float = 0,
+                   frozen_block: Optional[int] = None) -> Dict[str, Any]:
+    """The paper's table for Ψ trainable (and `frozen`) parameters on `world_size` ranks (`frozen_block`: stage 3
+    keeps the frozen shards as int8 codes, quantized_frozen_weights)."""
     rows = {}
     for stage in stages:
         comm = comm_elements_per_step(psi, stage, micro_batches, frozen=frozen)
         byte_of = {"all_gather": r.param, "reduce_scatter": r.grad, "all_reduce": r.grad}
         rows[stage] = {
-            "model_states": model_state_bytes(psi, world_size, stage, r, frozen),
+            "model_states": model_state_bytes(psi, world_size, stage, r, frozen, frozen_block),
             "comm_elements": comm,
             "comm_bytes": {k: v * byte_of[k] for k, v in comm.items()},
         }
