@@ -98,6 +98,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="several hosts, HSDP: partition within each host, replicate across hosts")
     g.add_argument("--hpz_partition_size", type=_group_size, default=None, metavar="{K,host}",
                    help="several hosts, stage 3 (ZeRO++ hpZ): the backward all-gather stays inside each host")
+    g.add_argument("--quantized_weights", choices=["none", "int8", "int4"], default=None,
+                   help="stage 3 (ZeRO++ qwZ): all-gather block-quantized weights")
+    g.add_argument("--quantized_gradients", choices=["none", "int8", "int4"], default=None,
+                   help="stages 2-3 (ZeRO++ qgZ): reduce-scatter block-quantized gradients over all-to-all")
+    g.add_argument("--quantized_frozen_weights", choices=["none", "int8"], default=None,
+                   help="stage 3: keep frozen parameters as int8 codes (LoRA bases)")
+    g.add_argument("--quantized_error_feedback", action="store_true", default=None,
+                   help="qgZ: carry each micro-batch's quantization error into the next")
     args = p.parse_args(argv)
 
     if args.tiny and args.model_name_or_path:
@@ -124,7 +132,8 @@ def zero_plugin_from_args(args: argparse.Namespace):
     """A ZeroPlugin when any ZeRO flag is given (flags not given keep ZeroPlugin's defaults); else None, and
     HfZeroAccelerator reads hf_zero.yaml."""
     keys = ("offload_optimizer", "offload_params", "prefetch", "reduce_bucket_size", "allgather_bucket_size",
-            "activation_checkpointing", "debug_collectives", "shard_group_size", "hpz_partition_size")
+            "activation_checkpointing", "debug_collectives", "shard_group_size", "hpz_partition_size",
+            "quantized_weights", "quantized_gradients", "quantized_frozen_weights", "quantized_error_feedback")
     given = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     if args.zero_stage is None and not given:
         return None
