@@ -44,12 +44,18 @@ def _cases(world_size):
         "llama-s3-qwz-qgz": dict(kind="llama", stage=3, zero_options={**QWZ, **QGZ4}),
         "gpt2-s2-qgz8": dict(kind="gpt2", stage=2, zero_options={"quantized_gradients": "int8"}),
     }
+    if world_size == 2:  # bf16 compute copies: quantized from and dequantized into bf16
+        cases["llama-s3-bf16-qwz-qgz"] = dict(kind="llama", stage=3, mixed_precision="bf16",
+                                              zero_options={**QWZ, **QGZ4})
     if world_size == 4:
         cases["gpt2-s3-hpz-qwz-qgz"] = dict(kind="gpt2", stage=3, zero_options={**QWZ, **QGZ4,
                                                                               "hpz_partition_size": 2})
         cases["llama-s3-qwz4-flat"] = dict(kind="llama", stage=3, zero_options={"quantized_weights": "int4",
                                                                               "collectives": "flat"})
         cases["llama-s2-qgz"] = dict(kind="llama", stage=2, zero_options=QGZ4)
+        # HSDP: the reduce-scatter inside the group of 2 quantized, the replicas' all-reduce exact
+        cases["gpt2-s2-hsdp-qgz8"] = dict(kind="gpt2", stage=2, zero_options={"quantized_gradients": "int8",
+                                                                             "shard_group_size": 2})
         cases["llama-s2-qgz-feedback"] = dict(kind="llama", stage=2, zero_options={
             **QGZ4, "quantized_error_feedback": True})
     return cases
@@ -73,10 +79,11 @@ def dist_results():
 _REFERENCES = {}
 
 
-def _reference(kind, variant="full"):
-    if (kind, variant) not in _REFERENCES:
-        _REFERENCES[kind, variant] = reference_train(kind, variant)
-    return _REFERENCES[kind, variant]
+def _reference(kind, variant="full", mixed_precision="no"):
+    key = (kind, variant, mixed_precision)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_train(kind, variant, precision="bf16" if mixed_precision == "bf16" else "fp32")
+    return _REFERENCES[key]
 
 
 ALL_CASES = [(w, name) for w in WORLD_SIZES for name in _cases(w)]
@@ -85,7 +92,7 @@ ALL_CASES = [(w, name) for w in WORLD_SIZES for name in _cases(w)]
 @pytest.mark.parametrize("world_size,name", ALL_CASES)
 def test_quantized_training_stays_within_the_bound_of_plain_training(dist_results, world_size, name):
     kw = _cases(world_size)[name]
-    ref = _reference(kw["kind"], kw.get("variant", "full"))
+    ref = _reference(kw["kind"], kw.get("variant", "full"), kw.get("mixed_precision", "no"))
     ranks = dist_results(world_size, name)
     losses = torch.tensor([r["losses"] for r in ranks], dtype=torch.float64).mean(0)
     want = torch.tensor(ref["losses"], dtype=torch.float64)
@@ -102,8 +109,9 @@ def _expected_bytes(world_size, kw):
     from hf_zero.engine.planning import plan_model
 
     opts = kw["zero_options"]
+    world_size = opts.get("shard_group_size") or world_size  # HSDP: the partition group of K quantizes
     plan = plan_model(models.make_model(kw["kind"], kw.get("variant", "full")), world_size,
-                      ZeroConfig(stage=kw["stage"], **opts))
+                      ZeroConfig(stage=kw["stage"], **{k: v for k, v in opts.items() if k != "shard_group_size"}))
     block, out = 256, {}
     hpz = opts.get("hpz_partition_size")
     if opts.get("quantized_frozen_weights"):  # frozen groups all-gather their int8 codes; nothing else quantized
