@@ -20,6 +20,8 @@ from _dist import DistResults
 from _recipe import ACCUM, STEPS, engine_train, reference_train
 from hf_zero.engine.quantize import quantized_nbytes
 
+pytestmark = pytest.mark.slow  # one spawn per world size trains ~8 engines: 40-90 s each on 2 cores
+
 WORLD_SIZES = (2, 3, 4)
 # The per-step loss gap to plain training allowed per option and code width: about 3x the largest gap measured on
 # these tiny models (4 steps, lr 1e-2, worlds 2-4; README "ZeRO++ accuracy"): int8 weights 0.006, int4 weights
