@@ -204,12 +204,8 @@ def _group(option: str, what: str, off: Tuple[int, ...]) -> Callable[[Reader, st
         if isinstance(value, int) and not isinstance(value, bool) and value < 0:
             return  # DeepSpeed's -1: off
         k = _whole(r, key, value)
-        if k in off:
-            return
-        if r.stage != 3:
-            r.ignore(key, value, f"DeepSpeed uses {what} at stage 3 only; this file's stage is {r.stage}")
-            return
-        r.set(option, k, key, value)
+        if k not in off:
+            _at_stage_3(r, option, k, key, value, what)
 
     return apply
 
@@ -218,14 +214,18 @@ def _quantized(option: str, code: str, what: str) -> Callable[[Reader, str, Any]
     """A ZeRO++ flag: true at stage 3 sets `option` to `code` (DeepSpeed's width); elsewhere DeepSpeed ignores it."""
 
     def apply(r: Reader, key: str, value: Any) -> None:
-        if value == AUTO or not _flag(r, key, value):
-            return
-        if r.stage != 3:
-            r.ignore(key, value, f"DeepSpeed uses {what} at stage 3 only; this file's stage is {r.stage}")
-            return
-        r.set(option, code, key, value)
+        if value != AUTO and _flag(r, key, value):
+            _at_stage_3(r, option, code, key, value, what)
 
     return apply
+
+
+def _at_stage_3(r: Reader, option: str, converted: Any, key: str, value: Any, what: str) -> None:
+    """Set `option` from a key DeepSpeed reads at stage 3 only; at other stages name it."""
+    if r.stage != 3:
+        r.ignore(key, value, f"DeepSpeed uses {what} at stage 3 only; this file's stage is {r.stage}")
+    else:
+        r.set(option, converted, key, value)
 
 
 def _dtype_choice(r: Reader, key: str, value: Any) -> Optional[str]:
