@@ -58,7 +58,7 @@ def _cases(world_size):
         # HSDP: the reduce-scatter inside the group of 2 quantized, the replicas' all-reduce exact
         cases["gpt2-s2-hsdp-qgz8"] = dict(kind="gpt2", stage=2, zero_options={"quantized_gradients": "int8",
                                                                              "shard_group_size": 2})
-        cases["llama-s2-qgz-feedback"] = dict(kind="llama", stage=2, zero_options={
+        cases["llama-s2-qgz-feedback"] = dict(kind="llama", stage=2, probe_step=0, zero_options={
             **QGZ4, "quantized_error_feedback": True})
     return cases
 
@@ -357,3 +357,18 @@ def test_frozen_weights_are_each_ranks_shard_quantized_and_survive_a_checkpoint(
         if r == 0:
             for name, value in want.items():
                 assert torch.equal(res["state"][name], value), name
+
+
+def test_error_feedback_residuals_are_counted_in_memory_stats(dist_results):
+    """qgZ's error feedback keeps an fp32 residual of every trainable group's whole bucket on every rank (the cost
+    README gives for keeping it off by default): memory_stats()["error_feedback"] = 4 bytes x the padded elements
+    of the trainable groups, counted from the plan, and it is part of the buffers."""
+    from hf_zero import ZeroConfig
+    from hf_zero.engine.planning import plan_model
+
+    plan = plan_model(models.make_model("llama"), 4, ZeroConfig(stage=2))
+    want = sum(4 * g.padded_numel for g in plan.groups if g.trainable)
+    for r, res in enumerate(dist_results(4, "llama-s2-qgz-feedback")):
+        stats = res["memory"]["stats"]
+        assert stats["error_feedback"] == want, (r, stats["error_feedback"], want)
+        assert stats["buffers"] >= want
