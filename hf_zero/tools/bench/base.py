@@ -30,6 +30,8 @@ class Settings:
     ranks_per_host: Optional[int] = None  # --ranks-per-host: K of the hierarchical systems (None: the default)
     compile_backend: str = "inductor"  # --compile BACKEND (cli.py's default): what "<system>+compile" rows use
     profile_dir: Optional[str] = None  # --profile DIR: torch.profiler over the timed steps, a trace per rank there
+    hosts: int = 1  # --hosts 2: the ranks in two namespace hosts (multihost.py), half on each
+    link_rate: Optional[str] = None  # --link-rate: the rate of the link between those hosts (tc's units)
 
     @property
     def tokens_per_step(self) -> int:
@@ -68,6 +70,11 @@ class Trainer:
     def comm_split(self) -> Optional[Dict[str, Dict[str, float]]]:
         """The same cumulative elements as {"intra": {kind: n}, "inter": {kind: n}} (a collective over a group that
         spans hosts is inter-host), or None when the system has no such ledger."""
+        return None
+
+    def comm_bytes_split(self) -> Optional[Dict[str, Dict[str, float]]]:
+        """Cumulative bytes put on the wire as {"intra": {kind: bytes}, "inter": {kind: bytes}} (a quantizing
+        strategy sends fewer bytes than its elements' dtype), or None when not measured."""
         return None
 
     def row_extras(self) -> Dict[str, Any]:
@@ -117,8 +124,10 @@ def local_nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def init_worker_group(rank: int, world_size: int, port: int, threads: int, timeout_s: float):
-    """A bench worker's process group (nccl on CUDA, else gloo) over a TCPStore on 127.0.0.1:port; its device."""
+def init_worker_group(rank: int, world_size: int, port: int, threads: int, timeout_s: float,
+                      master_addr: str = "127.0.0.1"):
+    """A bench worker's process group (nccl on CUDA, else gloo) over a TCPStore on master_addr:port (hosted by the
+    parent, or by host A's launcher with --hosts); its device."""
     import datetime
 
     import torch
@@ -132,7 +141,7 @@ def init_worker_group(rank: int, world_size: int, port: int, threads: int, timeo
     else:
         device, backend = torch.device("cpu"), "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
+    store = dist.TCPStore(master_addr, port, None, False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return device
 

@@ -1,4 +1,5 @@
-"""`hf-zero bench` on the command line: the arguments, one run per system (bench.py), the table, --json, --plot."""
+"""`hf-zero bench` on the command line: the arguments, one run per system (runner.py; with --hosts 2 on two
+namespace hosts at each --link-rate, multihost.py), the table, --json, --plot."""
 from __future__ import annotations
 
 import argparse
@@ -81,9 +82,59 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(b) for b in body])
 
 
+def _fmt_mb(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x / 1e6:,.2f}"
+
+
+def _link_label(rate: Optional[str]) -> str:
+    return "unlimited" if rate is None else str(rate)
+
+
+def format_link_table(rows: List[Dict[str, Any]]) -> str:
+    """The rows of a `--hosts` run: per link rate and system, steps/s, the ratio to plain stage 3 (zero3) on the
+    same link, and the bytes on the wire per step and rank (max over ranks) between the hosts and inside them,
+    each measured (formula)."""
+    header = ["link", "system", "hosts x ranks", "steps/s", "x zero3", "inter-host MB/step (formula)",
+              "intra-host MB/step (formula)", "tokens/s", "status"]
+    base = {r.get("link_rate"): r for r in rows if r["system"] == "zero3" and r.get("status") == "ok"}
+    body = []
+    for r in rows:
+        ok = r.get("status") == "ok"
+        ref = base.get(r.get("link_rate"))
+        ratio = r["steps_per_s"] / ref["steps_per_s"] if ok and ref and ref["steps_per_s"] > 0 else None
+        layout = f"{r['num_hosts']} x {r['host_size']}" if ok and r.get("host_size") else ("n/a" if ok else "-")
+        body.append([
+            _link_label(r.get("link_rate")), r["system"], layout,
+            f"{r['steps_per_s']:.3f}" if ok else "-",
+            f"{ratio:.2f}" if ratio is not None else "n/a",
+            _pair(r.get("comm_bytes_measured_inter"), r.get("comm_bytes_formula_inter"), _fmt_mb) if ok else "-",
+            _pair(r.get("comm_bytes_measured_intra"), r.get("comm_bytes_formula_intra"), _fmt_mb) if ok else "-",
+            f"{r['tokens_per_s']:,.1f}" if ok else "-",
+            status_text(r),
+        ])
+    widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
+    left = {0, 1, len(header) - 1}
+
+    def line(cells: List[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    notes = []
+    for rate, ref in base.items():  # ZeRO++'s headline: hpZ + qwZ + qgZ against plain stage 3 on the same link
+        zpp = next((r for r in rows if r["system"] == "zero3-hpz-qwz-qgz" and r.get("status") == "ok"
+                    and r.get("link_rate") == rate), None)
+        if zpp is not None and ref.get("comm_bytes_measured_inter"):
+            notes.append(f"{_link_label(rate)}: zero3-hpz-qwz-qgz / zero3: steps/s "
+                         f"{zpp['steps_per_s'] / ref['steps_per_s']:.2f}x, inter-host bytes "
+                         f"{zpp['comm_bytes_measured_inter'] / ref['comm_bytes_measured_inter']:.3f}x")
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(b) for b in body] + notes)
+
+
 # ====================================================================================================== CLI
 HIERARCHICAL = "hierarchical"  # --systems alias: hf_zero's HSDP and hpZ systems
 COLLECTIVES = "collectives"  # --systems alias: hf_zero's stages with chunked and flat collectives, side by side
+ZEROPP = "zeropp"  # --systems alias: ZeRO++ on a slow link, plain stage 3 and HSDP beside it, DeepSpeed's peers
+ZEROPP_SYSTEMS = ("zero3", "zero3-hpz", "zero3-hsdp", "zero3-qwz", "zero3-hpz-qwz", "zero3-hpz-qwz-qgz", "zero2",
+                  "zero2-qgz", "deepspeed_zero3", "deepspeed_zero3-hpz", "deepspeed_zero3-hpz-qwz-qgz")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,12 +150,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"and collectives ones); known: {', '.join(SYSTEMS)}; '{HIERARCHICAL}' is "
                              f"{', '.join(n for n, s in SYSTEMS.items() if s.option != 'none')}; '{COLLECTIVES}' is "
                              f"{', '.join(n for n, s in SYSTEMS.items() if s.collectives != 'auto')} (on gloo "
-                             f"'auto' is chunked, on NCCL flat)")
+                             f"'auto' is chunked, on NCCL flat); '{ZEROPP}' is {', '.join(ZEROPP_SYSTEMS)} "
+                             f"(ZeRO++ on a slow link, with --hosts 2)")
     parser.add_argument(RANKS_PER_HOST_FLAG, dest="ranks_per_host", type=int, default=None, metavar="K",
                         help="group size K of the hierarchical systems (zero*-hsdp: shard_group_size=K, zero3-hpz: "
                              "hpz_partition_size=K), as if the ranks ran on hosts of K; 1 < K < N dividing N "
                              "(default N//2 for an even N >= 4; otherwise those rows are skipped). The run itself "
                              "is on this one host, so its inter-host traffic is 0")
+    parser.add_argument("--hosts", type=int, default=1, metavar="H",
+                        help="2: run each system's ranks in two hosts made of Linux network namespaces on this "
+                             "machine (own hostname, address and disk each, joined by a veth pair), half of "
+                             "--num-processes on each, gloo between them over the veth link; the hierarchical "
+                             "systems' K is then the ranks per host. Needs root (namespaces, tc). Default 1: all "
+                             "ranks here")
+    parser.add_argument("--link-rate", default=None, metavar="R[,R...]",
+                        help="with --hosts 2: the rate of the link between the hosts, per direction, in tc's units "
+                             "(e.g. 100mbit,1gbit; tbf on each veth end, no added delay); several rates run every "
+                             "system at each. Default: unlimited")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="run the timed steps under torch.profiler: a Chrome trace per system and rank in DIR, "
                              "and each system's milliseconds per step in hf_zero's phases (hf_zero.gather, .reduce, "
@@ -144,12 +206,14 @@ def _parse_systems(text: str) -> List[str]:
             names += [k for k, spec in SYSTEMS.items() if spec.option != "none"]
         elif n == COLLECTIVES:
             names += [k for k, spec in SYSTEMS.items() if spec.collectives != "auto"]
+        elif n == ZEROPP:
+            names += [k for k in ZEROPP_SYSTEMS if k in SYSTEMS]
         elif n:
             names.append(n)
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)} (or {HIERARCHICAL}, "
-                         f"{COLLECTIVES})")
+                         f"{COLLECTIVES}, {ZEROPP})")
     if not names:
         raise ValueError("--systems is empty")
     seen: List[str] = []
@@ -159,29 +223,112 @@ def _parse_systems(text: str) -> List[str]:
     return seen
 
 
-def _run_one(i: int, system: str, systems: List[str], settings: Settings) -> Dict[str, Any]:
-    """One system's row: skipped when its optional extra is missing, else run in its own worker group."""
-    tag = f"[{i + 1}/{len(systems)}] {system}"
+def _run_one(i: int, system: str, systems: List[str], settings: Settings,
+             run_fn: Callable[[str, Settings], Dict[str, Any]] = run_system) -> Dict[str, Any]:
+    """One system's row: skipped when its optional extra is missing, else run in its own worker group (`run_fn`:
+    here, or on the namespace hosts)."""
+    tag = f"[{i + 1}/{len(systems)}] {system}" + (f" @ {settings.link_rate}" if settings.link_rate else "")
     spec = SYSTEMS[base_system(system)[0]]
     reason = spec.unavailable(settings) if spec.unavailable is not None else None
     if reason is not None:
         log(f"{tag} skipped: {reason}")
-        return skipped_row(system, reason)
+        row = skipped_row(system, reason)
+        if settings.hosts > 1:
+            row["link_rate"] = settings.link_rate
+        return row
     log(f"{tag} ...")
     t0 = time.monotonic()
-    row = run_system(system, settings)
+    row = run_fn(system, settings)
     row["wall_s"] = time.monotonic() - t0
+    if settings.hosts > 1:
+        row.setdefault("link_rate", settings.link_rate)
     if row["status"] == "ok":
-        log(f"{tag}: {row['tokens_per_s']:,.1f} tokens/s ({row['wall_s']:.0f}s including start-up)")
+        log(f"{tag}: {row['tokens_per_s']:,.1f} tokens/s, {row['steps_per_s']:.3f} steps/s "
+            f"({row['wall_s']:.0f}s including start-up)")
     else:
         log(f"{tag} FAILED:\n{row.get('error', row['status'])}")
     return row
+
+
+class HostsError(RuntimeError):
+    """--hosts 2 cannot run here (no namespaces, tc refused a rate): the message says why."""
+
+
+def _check_hosts(args: argparse.Namespace) -> List[Optional[str]]:
+    """The link rates to run (None: unlimited), after checking --hosts / --link-rate against the rest."""
+    hosts = getattr(args, "hosts", 1) or 1
+    args.hosts = hosts
+    text = getattr(args, "link_rate", None)
+    if hosts not in (1, 2):
+        raise ValueError(f"--hosts takes 1 or 2 (two namespace hosts), got {hosts}")
+    if hosts == 1:
+        if text:
+            raise ValueError("--link-rate sets the link between hosts: it needs --hosts 2")
+        return [None]
+    if args.num_processes % hosts:
+        raise ValueError(f"--hosts {hosts} puts half of the ranks on each host: --num-processes must be even, "
+                         f"got {args.num_processes}")
+    k = args.num_processes // hosts
+    if getattr(args, "ranks_per_host", None) not in (None, k):
+        raise ValueError(f"with --hosts {hosts} the hierarchical systems' K is the ranks per host, {k}; "
+                         f"{RANKS_PER_HOST_FLAG} {args.ranks_per_host} would not match the hosts")
+    from ..hosts import parse_rate
+
+    rates: List[Optional[str]] = []
+    for part in (text or "").split(","):
+        part = part.strip()
+        if part:
+            parse_rate(part)  # ValueError names the rate
+            rates.append(part)
+    return rates or [None]
+
+
+def _run_on_hosts(systems: List[str], settings: Settings, rates: List[Optional[str]],
+                  links: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Every system at every link rate on two namespace hosts (multihost.py); `links` gets each rate's measured
+    bulk-transfer rate."""
+    from dataclasses import replace
+
+    from ..hosts import HostsUnavailable, TwoHosts
+    from .multihost import run_system_on_hosts
+
+    try:
+        hosts = TwoHosts()
+    except HostsUnavailable as exc:
+        raise HostsError(f"--hosts 2 runs the ranks in two hosts made of Linux network namespaces, and they cannot "
+                         f"be made here: {exc}") from exc
+    rows: List[Dict[str, Any]] = []
+    try:
+        log(f"two hosts {hosts.hostname(0)} ({hosts.addr(0)}) and {hosts.hostname(1)} ({hosts.addr(1)}), "
+            f"{settings.num_processes // 2} ranks each")
+        for rate in rates:
+            try:
+                hosts.set_link_rate(rate)
+            except HostsUnavailable as exc:
+                raise HostsError(f"--link-rate {rate}: {exc}") from exc
+            nbytes = int(max(4e6, min(2e8, (hosts.link_rate_bps or 8e9) / 8 * 1.0)))  # about a second of it
+            measured = hosts.measure_link(nbytes)
+            links.append({"rate": rate, "rate_bps": hosts.link_rate_bps, "measured_bps": measured,
+                          "measured_bytes": nbytes, "qdisc": hosts.link_qdiscs()})
+            log(f"link {_link_label(rate)}: {measured / 1e6:,.1f} Mbit/s measured (bulk TCP, {nbytes / 1e6:.0f} MB)")
+            at_rate = replace(settings, link_rate=rate)
+            for i, system in enumerate(systems):
+                row = _run_one(i, system, systems, at_rate, lambda name, s: run_system_on_hosts(name, s, hosts))
+                row["link_measured_bps"] = measured
+                rows.append(row)
+    finally:
+        hosts.close()
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
     """`hf-zero bench`: run every requested system, print the table, write --json and --plot; the exit code is
     1 when an hf_zero system failed, 2 on bad arguments, else 0 (skipped rows and failed peers do not count)."""
     if getattr(args, "load", False):
+        if (getattr(args, "hosts", 1) or 1) > 1:
+            print("hf-zero bench: error: --load runs on this one host; --hosts is not supported with it",
+                  file=sys.stderr)
+            return 2
         return run_load(args)  # load.py: from a save_pretrained folder to a sharded model, per system
     try:
         systems = _parse_systems(args.systems)
@@ -202,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
             from .plot import check_matplotlib
 
             check_matplotlib()  # before minutes of training, not after
+        rates = _check_hosts(args)
     except (ValueError, OSError, ImportError) as exc:
         print(f"hf-zero bench: error: {exc}", file=sys.stderr)
         return 2
@@ -216,8 +364,9 @@ def run(args: argparse.Namespace) -> int:
         model_config=model_config, model_name=model_name, steps=args.steps, warmup=args.warmup,
         batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
         mixed_precision=args.mixed_precision, num_processes=world, lr=args.lr, seed=args.seed,
-        timeout_s=args.timeout, threads_per_rank=max(1, cpu_count() // world),
-        ranks_per_host=getattr(args, "ranks_per_host", None),
+        timeout_s=args.timeout, threads_per_rank=1 if args.hosts > 1 else max(1, cpu_count() // world),
+        ranks_per_host=world // args.hosts if args.hosts > 1 else getattr(args, "ranks_per_host", None),
+        hosts=args.hosts,
         compile_backend=getattr(args, "compile", None) or Settings.compile_backend,
         profile_dir=os.path.abspath(args.profile) if getattr(args, "profile", None) else None,
     )
@@ -226,15 +375,29 @@ def run(args: argparse.Namespace) -> int:
          f"{settings.warmup} warmup + {settings.steps} timed steps, mixed precision {settings.mixed_precision}, "
          f"{settings.threads_per_rank} threads per rank")
 
+    links: List[Dict[str, Any]] = []
     with extensions_dir(any(SYSTEMS[base_system(name)[0]].jit_extensions for name in systems)):
-        rows = [_run_one(i, system, systems, settings) for i, system in enumerate(systems)]
+        if args.hosts == 1:
+            rows = [_run_one(i, system, systems, settings) for i, system in enumerate(systems)]
+        else:
+            try:
+                rows = _run_on_hosts(systems, settings, rates, links)
+            except HostsError as exc:
+                print(f"hf-zero bench: error: {exc}", file=sys.stderr)
+                return 2
 
-    ddp = next((r for r in rows if r["system"] == "ddp" and r["status"] == "ok"), None)
-    for r in rows:
-        ok = r["status"] == "ok" and ddp is not None and ddp["tokens_per_s"] > 0
-        r["x_ddp"] = r["tokens_per_s"] / ddp["tokens_per_s"] if ok else None
+    for rate in {r.get("link_rate") for r in rows}:  # "x DDP": against DDP on the same link
+        ddp = next((r for r in rows if r["system"] == "ddp" and r["status"] == "ok"
+                    and r.get("link_rate") == rate), None)
+        for r in rows:
+            if r.get("link_rate") == rate:
+                ok = r["status"] == "ok" and ddp is not None and ddp["tokens_per_s"] > 0
+                r["x_ddp"] = r["tokens_per_s"] / ddp["tokens_per_s"] if ok else None
 
-    table = format_table(rows)
+    table = format_table(rows) if args.hosts == 1 else format_link_table(rows)
+    if links:
+        table += "\n" + "\n".join(f"link {_link_label(ln['rate'])}: a bulk TCP transfer from host B to host A ran at "
+                                   f"{ln['measured_bps'] / 1e6:,.1f} Mbit/s" for ln in links)
     compiled = [r for r in rows if r.get("graph_breaks") is not None]
     if compiled:
         table += "\n" + "\n".join(f"{r['system']}: {r['graph_breaks']} graph breaks, {r['graphs_compiled']} graphs "
@@ -245,7 +408,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.json:
         write_json_line(args.json, {**asdict(settings), "systems": systems,
-                                     "tokens_per_step": settings.tokens_per_step}, rows)
+                                     "tokens_per_step": settings.tokens_per_step,
+                                     **({"link_rates": rates, "links": links} if args.hosts > 1 else {})}, rows)
 
     if getattr(args, "plot", None):
         from .plot import plot_rows

@@ -65,6 +65,30 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def quantizer_unavailable_reason() -> Optional[str]:
+    """None when DeepSpeed's quantizer op loads on this machine's accelerator, else why not. Its ZeRO++ quantized
+    weights (zero_quantized_weights: partition_parameters.CUDAQuantizer) and gradients (zero_quantized_gradients:
+    coalesced_collectives.all_to_all_quant_reduce) both load `QuantizerBuilder`, which has no CPU implementation.
+    A subprocess, as `unavailable_reason`."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    env = dict(os.environ)
+    env.setdefault("DS_ACCELERATOR", "cpu" if not _cuda_available() else "cuda")
+    code = "from deepspeed.ops.op_builder import QuantizerBuilder; QuantizerBuilder().load()"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"DeepSpeed's quantizer op (QuantizerBuilder) did not load: {exc}"
+    if proc.returncode != 0:
+        lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+        return (f"DeepSpeed's zero_quantized_weights / zero_quantized_gradients need its quantizer op "
+                f"(QuantizerBuilder), which does not load on the {env['DS_ACCELERATOR']} accelerator: "
+                f"{lines[-1] if lines else f'exit code {proc.returncode}'}")
+    return None
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -72,14 +96,15 @@ def _cuda_available() -> bool:
 
 
 # ====================================================================================================== comm
-def _count_elements(value: Any) -> Tuple[int, bool]:
-    """(elements, whether it is data): a tensor or a list of tensors; non-float or single-element is control."""
+def _count_elements(value: Any) -> Tuple[int, bool, int]:
+    """(elements, whether it is data, bytes): a tensor or a list of tensors; non-float or single-element is
+    control."""
     import torch
 
     tensors = [t for t in (value if isinstance(value, (list, tuple)) else [value]) if torch.is_tensor(t)]
     numel = sum(t.numel() for t in tensors)
     is_data = numel > 1 and all(t.is_floating_point() for t in tensors)
-    return numel, is_data
+    return numel, is_data, sum(t.numel() * t.element_size() for t in tensors)
 
 
 class CollectiveCounter:
@@ -92,7 +117,34 @@ class CollectiveCounter:
 
     def __init__(self) -> None:
         self.elements: Dict[str, float] = defaultdict(float)
+        # bytes of the data collectives (paper counting, the tensors' own dtype), intra- / inter-host by whether
+        # the collective's group spans hosts (known once `set_hosts` ran; intra before)
+        self.bytes: Dict[str, Dict[str, float]] = {"intra": defaultdict(float), "inter": defaultdict(float)}
         self._depth = threading.local()
+        self._host_of: Optional[List[str]] = None
+        self._spans: Dict[Any, bool] = {}
+
+    def set_hosts(self) -> None:
+        """Learn each rank's hostname (one all_gather_object, control traffic) so collectives are booked intra- or
+        inter-host."""
+        import socket
+
+        import torch.distributed as dist
+
+        names: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(names, socket.gethostname())
+        self._host_of = [str(n) for n in names]
+
+    def _where(self, group: Any) -> str:
+        if self._host_of is None:
+            return "intra"
+        key = id(group) if group is not None else None
+        if key not in self._spans:
+            import torch.distributed as dist
+
+            ranks = dist.get_process_group_ranks(group) if group is not None else range(len(self._host_of))
+            self._spans[key] = len({self._host_of[r] for r in ranks}) > 1
+        return "inter" if self._spans[key] else "intra"
 
     def install(self) -> None:
         import torch.distributed as dist
@@ -115,8 +167,10 @@ class CollectiveCounter:
             depth = getattr(self._depth, "value", 0)
             if depth == 0:
                 bound = signature.bind_partial(*args, **kwargs)
-                numel, is_data = _count_elements(bound.arguments.get(arg))
+                numel, is_data, nbytes = _count_elements(bound.arguments.get(arg))
                 self.elements[kind if is_data else CONTROL] += factor * numel
+                if is_data:
+                    self.bytes[self._where(bound.arguments.get("group"))][kind] += factor * nbytes
             self._depth.value = depth + 1
             try:
                 return original(*args, **kwargs)
@@ -128,6 +182,10 @@ class CollectiveCounter:
     def data_elements(self) -> Dict[str, float]:
         """Cumulative elements per data kind (control traffic left out)."""
         return {k: v for k, v in self.elements.items() if k != CONTROL}
+
+    def data_bytes(self) -> Dict[str, Dict[str, float]]:
+        """Cumulative bytes per data kind, {"intra": {kind: bytes}, "inter": {kind: bytes}}."""
+        return {where: dict(kinds) for where, kinds in self.bytes.items()}
 
 
 # ====================================================================================================== memory
@@ -190,8 +248,10 @@ def model_state_bytes(engine) -> Dict[str, int]:
 
 
 # ====================================================================================================== trainer
-def deepspeed_config(ctx: WorkerContext, stage: int) -> Dict[str, Any]:
-    """DeepSpeed's config for the bench's settings: same batch, accumulation and precision; hf_zero's buckets."""
+def deepspeed_config(ctx: WorkerContext, stage: int, zero_extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """DeepSpeed's config for the bench's settings: same batch, accumulation and precision; hf_zero's buckets;
+    `zero_extra`: further zero_optimization keys (the ZeRO++ systems: zero_hpz_partition_size,
+    zero_quantized_weights, zero_quantized_gradients)."""
     from ...config import ZeroConfig
 
     s = ctx.settings
@@ -207,6 +267,7 @@ def deepspeed_config(ctx: WorkerContext, stage: int) -> Dict[str, Any]:
     if stage == 3:
         # The default (1e5 elements) keeps every small tensor whole on every rank: all of a small test model.
         zero["stage3_param_persistence_threshold"] = 0
+    zero.update(zero_extra or {})
     return {
         "train_micro_batch_size_per_gpu": s.batch_size,
         "gradient_accumulation_steps": s.grad_accum,
@@ -251,7 +312,7 @@ class DeepSpeedTrainer(Trainer):
     """deepspeed.initialize(model, torch AdamW, ZeRO stage k); engine.backward and engine.step per micro-batch
     (DeepSpeed scales the loss by the accumulation steps and steps the optimizer on the boundary itself)."""
 
-    def __init__(self, model, ctx: WorkerContext, stage: int) -> None:
+    def __init__(self, model, ctx: WorkerContext, stage: int, zero_extra: Optional[Dict[str, Any]] = None) -> None:
         import torch
 
         prepare_process(ctx)
@@ -262,10 +323,12 @@ class DeepSpeedTrainer(Trainer):
         if ctx.device.type == "cpu":
             skip_shm_op_build()
         deepspeed.init_distributed(dist_backend="gloo" if ctx.device.type == "cpu" else "nccl")
+        self.counter.set_hosts()
         self.ctx = ctx
         optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.settings.lr)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                    config=deepspeed_config(ctx, stage))
+                                                    config=deepspeed_config(ctx, stage, zero_extra))
+        self.zero_extra = dict(zero_extra or {})
         self.version = deepspeed.__version__
         self.peak_states: Dict[str, int] = {}
 
@@ -296,5 +359,9 @@ class DeepSpeedTrainer(Trainer):
     def comm_elements(self) -> Optional[Dict[str, float]]:
         return self.counter.data_elements()
 
+    def comm_bytes_split(self) -> Optional[Dict[str, Dict[str, float]]]:
+        return self.counter.data_bytes()
+
     def row_extras(self) -> Dict[str, Any]:
-        return {"peer_version": f"deepspeed {self.version}", "state_bytes_measured_by_kind": dict(self.peak_states)}
+        return {"peer_version": f"deepspeed {self.version}", "state_bytes_measured_by_kind": dict(self.peak_states),
+                **({"deepspeed_zero_options": self.zero_extra} if self.zero_extra else {})}

@@ -28,6 +28,17 @@ all-gathers and reduce-scatters issued per chunk (broadcasts and reduces, gloo's
 (all_gather_into_tensor / reduce_scatter_tensor, NCCL's "auto"), whatever the backend; not in `all`
 either, `--systems collectives` runs the six, the two forms of each stage side by side.
 
+ZeRO++'s quantized communication (zero3-qwz: quantized_weights="int8"; zero3-hpz-qwz: hpZ + int8 weights;
+zero3-hpz-qwz-qgz: + quantized_gradients="int4"; zero2-qgz: int4 gradients at stage 2) and DeepSpeed's ZeRO++
+(deepspeed_zero3-hpz: zero_hpz_partition_size=K; deepspeed_zero3-hpz-qwz-qgz: + zero_quantized_weights /
+zero_quantized_gradients, skipped with the reason where its quantizer op does not load, as on CPU) are not in
+`all`; `--systems zeropp` runs them with zero3, zero3-hsdp and deepspeed_zero3. Their rows also give the bytes on
+the wire per step, intra- and inter-host: measured (hf_zero: the ledger per strategy, whose quantized strategies
+book codes and scales; DeepSpeed: the collectives it calls, by whether their group spans hosts) and, for hf_zero,
+by the formula (`formula_bytes_for_hosts`: elements x dtype bytes, or W x quantized_nbytes(P / W) for a quantized
+all-gather / reduce-scatter of P elements over W ranks). With `--hosts 2 --link-rate R` (multihost.py) every
+system runs on two namespace hosts over a rate-limited link, and rows say the rate.
+
 Systems live in the SYSTEMS registry below (name -> SystemSpec with a builder); add peers there. A peer from an
 optional extra (DeepSpeed: `pip install deepspeed`) that cannot be imported gets a row with status "skipped" and the
 reason, never an error. The command line, the table and --json are in cli.py; `--plot out.png` draws
@@ -39,6 +50,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import socket
 import sys
@@ -140,6 +152,9 @@ class SystemSpec:
     option: str = "none"  # hf_zero's hierarchical option ("hsdp", "hpz") over groups of --ranks-per-host ranks
     collectives: str = "auto"  # hf_zero's ZeroConfig.collectives: "chunked" / "flat" force one form
     in_all: bool = True  # part of `--systems all`
+    # hf_zero's further ZeroConfig options (the ZeRO++ systems: quantized_weights / quantized_gradients); a
+    # DeepSpeed system's extra zero_optimization keys (its ZeRO++ ones)
+    options: Optional[Dict[str, Any]] = None
 
 
 def _fp32_recipe(settings: Settings):
@@ -222,10 +237,102 @@ def formula_split_for_hosts(spec: SystemSpec, counts: Counts, settings: Settings
     if host_size == n:
         return {"intra": spec.comm_formula(counts, settings), "inter": {}}
     if spec.option == "none" and host_size is not None and n % host_size == 0:
-        return _hf_zero_split(counts, settings, spec.state_stage, "none", host_size)
+        split = _hf_zero_split(counts, settings, spec.state_stage, "none", host_size)
+    elif host_size == k:
+        split = _hf_zero_split(counts, settings, spec.state_stage, spec.option, k)
+    else:
+        return None
+    if _two_hop_qgz(spec, n, host_size):
+        # qgZ's two hops (engine HostsReduce): the reduce-scatter of P elements inside the host, then of the
+        # host's P / K sums across the hosts
+        rs = split["inter"].pop("reduce_scatter")
+        split["intra"]["reduce_scatter"] = split["intra"].get("reduce_scatter", 0) + rs
+        split["inter"]["reduce_scatter"] = rs / host_size
+    return split
+
+
+def _two_hop_qgz(spec: SystemSpec, n: int, host_size: Optional[int]) -> bool:
+    """Whether the engine reduces this system's quantized gradients in two hops (inside the host, then across):
+    qgZ over the world group (not HSDP's host groups) on hosts of 1 < K < N ranks."""
+    quantized = (spec.options or {}).get("quantized_gradients", "none") != "none"
+    return quantized and spec.option != "hsdp" and host_size is not None and 1 < host_size < n
+
+
+_BITS = {"int8": 8, "int4": 4}
+
+
+def _element_bytes(kind: str, settings: Settings) -> int:
+    """Bytes per element hf_zero sends of `kind`: parameters in the compute dtype, gradients in the reduce dtype
+    (ZeroConfig's default: fp32, also under mixed precision)."""
+    if kind in ("all_gather", "broadcast"):
+        return 2 if settings.mixed_precision == "bf16" else 4
+    return 4
+
+
+def quantized_wire_bytes(elements: float, world: int, block_size: int, bits: int) -> float:
+    """Bytes on the wire of quantized all-gathers / reduce-scatters of `elements` (paper counting) over `world`
+    ranks: each rank's 1/world of them as codes plus one fp32 scale per block, world times (engine/quantize.py's
+    `quantized_nbytes`). A formula over a step's total: the engine quantizes per collective, whose blocks and
+    padding add a few scales more (at most one block and the padding per rank and collective)."""
+    from ...engine.quantize import quantized_nbytes
+
+    return world * quantized_nbytes(math.ceil(elements / world), block_size, bits)
+
+
+def formula_bytes_for_hosts(spec: SystemSpec, counts: Counts, settings: Settings,
+                            host_size: Optional[int]) -> Optional[Split]:
+    """An hf_zero system's formula bytes on the wire per step, split as `formula_split_for_hosts` splits its
+    elements. Unquantized kinds: elements x their dtype's bytes. A quantized kind (quantized_weights: the
+    all-gathers, quantized_gradients: the reduce-scatters) over the world group: `quantized_wire_bytes`, except
+    hpZ's backward all-gather inside the host, which copies the already quantized values exactly; on several
+    hosts the estimator's ZeRO++ collectives (`_zeropp_bytes`, qgZ's two hops included)."""
+    n, k = counts.world, group_size(spec.option, settings)
+    opts = spec.options or {}
+    block = int(opts.get("quantization_block_size", 256))
+    bits = {"all_gather": _BITS.get(opts.get("quantized_weights", "none")),
+            "reduce_scatter": _BITS.get(opts.get("quantized_gradients", "none"))}
+    over = k if spec.option == "hsdp" else n  # the group the quantized collectives run over
+
+    def nbytes(where: str, kind: str, elements: float) -> float:
+        b = bits.get(kind)
+        if b is None or (spec.option == "hpz" and kind == "all_gather" and where == "intra" and k != n):
+            return elements * _element_bytes(kind, settings)
+        return quantized_wire_bytes(elements, over, block, b)
+
+    if spec.options and spec.option != "hsdp" and not counts.frozen and host_size is not None and \
+            1 <= host_size < n and n % host_size == 0 and (spec.option == "none" or host_size == k):
+        return _zeropp_bytes(spec, counts, settings, host_size, bits, block)
+    roles = _hf_zero_split(counts, settings, spec.state_stage, spec.option, k)  # the option's own groups
+    by_role = {w: {kind: nbytes(w, kind, e) for kind, e in kinds.items()} for w, kinds in roles.items()}
+    if host_size == n:
+        return {"intra": _merged(by_role), "inter": {}}
+    if spec.option == "none" and host_size is not None and n % host_size == 0:
+        return {"intra": {}, "inter": _merged(by_role)}  # the world group spans the hosts
     if host_size == k:
-        return _hf_zero_split(counts, settings, spec.state_stage, spec.option, k)
+        return by_role
     return None
+
+
+def _zeropp_bytes(spec: SystemSpec, counts: Counts, settings: Settings, host_size: int,
+                  bits: Dict[str, Optional[int]], block: int) -> Split:
+    """A quantized system on several hosts of `host_size` ranks: the estimator's ZeRO++ collectives
+    (`hf_zero.tools.estimate.formulas.zeropp_collectives`: quantized collectives as W x quantized_nbytes(P / W),
+    hpZ's backward all-gather exact inside the host, qgZ in two hops), booked per kind and side as the ledger
+    books them (qgZ's all-to-alls are the ledger's reduce-scatters)."""
+    from ..estimate.formulas import zeropp_collectives
+
+    stage = spec.state_stage
+    collectives = zeropp_collectives(
+        counts.psi, counts.world, host_size, stage, hpz=spec.option == "hpz",
+        weights_bits=bits["all_gather"] if stage == 3 else None, gradients_bits=bits["reduce_scatter"],
+        block_size=block, dtype_bytes=_element_bytes("all_gather", settings),
+        reduce_dtype_bytes=_element_bytes("reduce_scatter", settings), micro_batches=settings.grad_accum,
+        resident=counts.resident if stage == 3 else 0)
+    out: Split = {"intra": {}, "inter": {}}
+    for c in collectives:
+        kind = "all_gather" if "all-gather" in c.what else "reduce_scatter"
+        out[c.side][kind] = out[c.side].get(kind, 0) + c.nbytes
+    return out
 
 
 def _deepspeed_unavailable(settings: Settings) -> Optional[str]:
@@ -234,10 +341,13 @@ def _deepspeed_unavailable(settings: Settings) -> Optional[str]:
     return unavailable_reason()
 
 
-def _build_deepspeed(model, ctx: "WorkerContext", stage: int) -> Trainer:
+def _build_deepspeed(model, ctx: "WorkerContext", stage: int, zero_extra: Optional[Dict[str, Any]] = None) -> Trainer:
     from .deepspeed import DeepSpeedTrainer
 
-    return DeepSpeedTrainer(model, ctx, stage)
+    extra = dict(zero_extra or {})
+    if extra.get("zero_hpz_partition_size") == "K":  # the hierarchical systems' K (--ranks-per-host / the hosts)
+        extra["zero_hpz_partition_size"] = group_size("hpz", ctx.settings)
+    return DeepSpeedTrainer(model, ctx, stage, extra)
 
 
 def _deepspeed_recipe(settings: Settings):
@@ -246,18 +356,37 @@ def _deepspeed_recipe(settings: Settings):
     return recipe(settings.mixed_precision)  # gradients in the compute dtype, as DeepSpeed keeps them
 
 
-def _deepspeed_spec(stage: int) -> SystemSpec:
+def _deepspeed_spec(stage: int, zero_extra: Optional[Dict[str, Any]] = None) -> SystemSpec:
+    """DeepSpeed ZeRO-`stage`; `zero_extra`: its ZeRO++ keys (zero_hpz_partition_size "K": the hierarchical
+    systems' K), such a system is not in `all`."""
     settings = "torch AdamW, hf_zero's bucket bytes" + (", stage3_param_persistence_threshold=0" if stage == 3 else "")
+    if zero_extra:
+        settings += ", " + ", ".join(f"{k}={v}" for k, v in zero_extra.items())
+
+    def unavailable(s: Settings) -> Optional[str]:
+        reason = _deepspeed_unavailable(s)
+        if reason is None and (zero_extra or {}).get("zero_hpz_partition_size") == "K":
+            reason = resolve_group_size(s.num_processes, s.ranks_per_host)[1]
+        if reason is None and any((zero_extra or {}).get(k) for k in ("zero_quantized_weights",
+                                                                       "zero_quantized_gradients")):
+            from .deepspeed import quantizer_unavailable_reason
+
+            reason = quantizer_unavailable_reason()
+        return reason
+
     return SystemSpec(
-        build=lambda model, ctx: _build_deepspeed(model, ctx, stage), state_stage=stage, recipe=_deepspeed_recipe,
-        comm_formula=_paper_comm(stage), unavailable=_deepspeed_unavailable, jit_extensions=True,
+        build=lambda model, ctx: _build_deepspeed(model, ctx, stage, zero_extra), state_stage=stage,
+        recipe=_deepspeed_recipe, comm_formula=_paper_comm(stage), unavailable=unavailable, jit_extensions=True,
+        in_all=not zero_extra, options=dict(zero_extra) if zero_extra else None,
         note=f"DeepSpeed ZeRO-{stage} ({settings}); comm counted at torch.distributed (scalars left out)")
 
 
-def _hf_zero_spec(stage: int, option: str = "none", collectives: str = "auto") -> SystemSpec:
-    """hf_zero at `stage`; the totals of its comm formula use the option's own K (the split is per run's hosts)."""
+def _hf_zero_spec(stage: int, option: str = "none", collectives: str = "auto",
+                  options: Optional[Dict[str, Any]] = None) -> SystemSpec:
+    """hf_zero at `stage`; the totals of its comm formula use the option's own K (the split is per run's hosts).
+    `options`: further ZeroConfig options (the quantized systems)."""
     def build(model, ctx: WorkerContext) -> Trainer:
-        return HfZeroTrainer(model, ctx, stage, option, group_size(option, ctx.settings), collectives)
+        return HfZeroTrainer(model, ctx, stage, option, group_size(option, ctx.settings), collectives, options)
 
     def comm(counts: Counts, settings: Settings) -> Dict[str, float]:
         return _merged(_hf_zero_split(counts, settings, stage, option, group_size(option, settings)))
@@ -268,11 +397,18 @@ def _hf_zero_spec(stage: int, option: str = "none", collectives: str = "auto") -
         return SystemSpec(build=build, state_stage=stage, recipe=_hf_zero_recipe, comm_formula=comm, hf_zero=True,
                           in_all=False, collectives=collectives,
                           note=f"hf_zero stage {stage}, collectives={collectives!r} ({form})")
+    quantized = ", ".join(f"{k}={v!r}" for k, v in (options or {}).items())
     if option == "none":
+        if options:
+            return SystemSpec(build=build, state_stage=stage, recipe=_hf_zero_recipe, comm_formula=comm,
+                              hf_zero=True, in_all=False, options=dict(options),
+                              note=f"hf_zero stage {stage}, {quantized}")
         return SystemSpec(build=build, state_stage=stage, recipe=_hf_zero_recipe, comm_formula=comm, hf_zero=True)
     field = "shard_group_size" if option == "hsdp" else "hpz_partition_size"
     return SystemSpec(build=build, state_stage=stage, recipe=_hf_zero_recipe, comm_formula=comm, hf_zero=True,
-                      option=option, in_all=False, note=f"hf_zero stage {stage}, {field}=K ({RANKS_PER_HOST_FLAG} K)",
+                      option=option, in_all=False, options=dict(options) if options else None,
+                      note=f"hf_zero stage {stage}, {field}=K ({RANKS_PER_HOST_FLAG} K)"
+                           + (f", {quantized}" if quantized else ""),
                       unavailable=lambda s: resolve_group_size(s.num_processes, s.ranks_per_host)[1])
 
 
@@ -289,11 +425,23 @@ SYSTEMS: Dict[str, SystemSpec] = {
     # hf_zero's hierarchical options, over groups of --ranks-per-host ranks (not in `all`).
     **{f"zero{k}-hsdp": _hf_zero_spec(k, "hsdp") for k in range(1, 4)},
     "zero3-hpz": _hf_zero_spec(3, "hpz"),
+    # ZeRO++'s quantized communication (not in `all`; `--systems zeropp` runs them): qwZ, the int8 weight
+    # all-gather, alone and under hpZ; hpZ + qwZ + qgZ (int4 gradient reduce-scatter), the paper's combination;
+    # qgZ alone at stage 2.
+    "zero3-qwz": _hf_zero_spec(3, options={"quantized_weights": "int8"}),
+    "zero3-hpz-qwz": _hf_zero_spec(3, "hpz", options={"quantized_weights": "int8"}),
+    "zero3-hpz-qwz-qgz": _hf_zero_spec(3, "hpz", options={"quantized_weights": "int8",
+                                                          "quantized_gradients": "int4"}),
+    "zero2-qgz": _hf_zero_spec(2, options={"quantized_gradients": "int4"}),
     # hf_zero's two forms of the collectives, each stage's side by side (not in `all`).
     **{f"zero{k}-{form}": _hf_zero_spec(k, collectives=form) for k in range(1, 4) for form in ("chunked", "flat")},
     # Peers from optional extras (never dependencies): a builder returns a Trainer; `unavailable` says when the
     # extra is missing, and the row is skipped with that reason.
     **{f"deepspeed_zero{k}": _deepspeed_spec(k) for k in range(1, 4)},
+    # DeepSpeed's ZeRO++ (not in `all`): hpZ over K ranks, and with its quantized weights and gradients too.
+    "deepspeed_zero3-hpz": _deepspeed_spec(3, {"zero_hpz_partition_size": "K"}),
+    "deepspeed_zero3-hpz-qwz-qgz": _deepspeed_spec(3, {"zero_hpz_partition_size": "K", "zero_quantized_weights": True,
+                                                       "zero_quantized_gradients": True}),
 }
 
 
@@ -342,18 +490,20 @@ def _host_size(hosts: List[str]) -> Optional[int]:
     return next(iter(counts.values())) if len(set(counts.values())) == 1 else None
 
 
-def _split_fields(everyone: List[Dict[str, Any]], formula: Optional[Split]) -> Dict[str, Any]:
-    """The row's intra/inter-host fields: measured (max over ranks) and the formula's split for the run's hosts."""
+def _split_fields(everyone: List[Dict[str, Any]], formula: Optional[Split], key: str = "comm_split",
+                  what: str = "elements") -> Dict[str, Any]:
+    """The row's intra/inter-host fields of `what` (elements; bytes from `comm_bytes_split`): measured (max over
+    ranks) and the formula's split for the run's hosts."""
     out: Dict[str, Any] = {}
-    if all(r["comm_split"] is not None for r in everyone):
-        by_kind = {w: _max_by_kind([r["comm_split"][w] for r in everyone]) for w in ("intra", "inter")}
-        out["comm_elements_measured_split_by_kind"] = by_kind
+    if all(r.get(key) is not None for r in everyone):
+        by_kind = {w: _max_by_kind([r[key][w] for r in everyone]) for w in ("intra", "inter")}
+        out[f"comm_{what}_measured_split_by_kind"] = by_kind
         for w in ("intra", "inter"):
-            out[f"comm_elements_measured_{w}"] = max(sum(r["comm_split"][w].values()) for r in everyone)
+            out[f"comm_{what}_measured_{w}"] = max(sum(r[key][w].values()) for r in everyone)
     if formula is not None:
-        out["comm_elements_formula_split_by_kind"] = formula
+        out[f"comm_{what}_formula_split_by_kind"] = formula
         for w in ("intra", "inter"):
-            out[f"comm_elements_formula_{w}"] = sum(formula[w].values())
+            out[f"comm_{what}_formula_{w}"] = sum(formula[w].values())
     return out
 
 
@@ -416,20 +566,22 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
         one_step()
     sync()
     dist.barrier()
-    comm_before, split_before = trainer.comm_elements(), trainer.comm_split()
+    comm_before, split_before, bytes_before = trainer.comm_elements(), trainer.comm_split(), trainer.comm_bytes_split()
     with _profiled(s.profile_dir, system, ctx) as phases:
         t0 = time.perf_counter()
         for _ in range(s.steps):
             one_step()
         sync()
         elapsed = time.perf_counter() - t0
-    comm_after, split_after = trainer.comm_elements(), trainer.comm_split()
+    comm_after, split_after, bytes_after = trainer.comm_elements(), trainer.comm_split(), trainer.comm_bytes_split()
     comm = None if comm_after is None else _per_step(comm_after, comm_before, s.steps)
     split = None if split_after is None else {
         w: _per_step(split_after[w], (split_before or {}).get(w), s.steps) for w in ("intra", "inter")}
+    split_bytes = None if bytes_after is None else {
+        w: _per_step(bytes_after[w], (bytes_before or {}).get(w), s.steps) for w in ("intra", "inter")}
 
     mine = {"elapsed": elapsed, "state_bytes": trainer.state_bytes(), "peak_bytes": _peak_bytes(ctx.device),
-            "comm": comm, "comm_split": split, "host": socket.gethostname(),
+            "comm": comm, "comm_split": split, "comm_bytes_split": split_bytes, "host": socket.gethostname(),
             "loss": losses[-1] if losses else float("nan")}
     everyone: List[Dict[str, Any]] = [None] * ctx.world_size  # type: ignore[list-item]
     dist.all_gather_object(everyone, mine)
@@ -448,6 +600,14 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
     if spec.hf_zero:
         formula_split = formula_split_for_hosts(spec, counts, s, extra["host_size"])
         extra.update(_split_fields(everyone, formula_split), **_hierarchical_fields(spec, counts, s, recipe))
+        extra.update(_split_fields(everyone, formula_bytes_for_hosts(spec, counts, s, extra["host_size"]),
+                                   "comm_bytes_split", "bytes"))
+        if spec.options:
+            extra["zero_options"] = dict(spec.options)
+    elif any(r.get("comm_bytes_split") is not None for r in everyone):  # a peer that books bytes per host
+        extra.update(_split_fields(everyone, None, "comm_bytes_split", "bytes"))
+    if s.hosts > 1:
+        extra.update(link_rate=s.link_rate, hosts_requested=s.hosts)
     # HSDP partitions the model states K ways; hpZ's secondary shard is not a model state (plain stage 3 over N).
     state_n = group_size(spec.option, s) if spec.option == "hsdp" else ctx.world_size
     elapsed_max = max(r["elapsed"] for r in everyone)
@@ -461,6 +621,7 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
         "world_size": ctx.world_size,
         "elapsed_s": elapsed_max,
         "tokens_per_s": s.tokens_per_step * s.steps / elapsed_max if elapsed_max > 0 else float("inf"),
+        "steps_per_s": s.steps / elapsed_max if elapsed_max > 0 else float("inf"),
         "state_bytes_measured": max(r["state_bytes"] for r in everyone),
         "state_bytes_formula": model_state_bytes(psi, state_n, spec.state_stage, recipe, frozen),
         "state_formula": {"stage": spec.state_stage, "partition": state_n, "recipe": asdict(recipe)},
@@ -513,9 +674,13 @@ def _compile_fields(backend: str) -> Dict[str, Any]:
             "graphs_compiled": int(counters["stats"].get("unique_graphs", 0))}
 
 
-def _worker(rank: int, world_size: int, port: int, system: str, settings: Settings, out_dir: str) -> None:
+def train_worker(rank: int, world_size: int, port: int, system: str, settings: Settings, out_dir: str,
+                 master_addr: str = "127.0.0.1") -> None:
+    """One rank of one system (a spawned process): join the group over the store at master_addr:port, train and
+    measure; rank 0 writes the row to `out_dir`, a failing rank its traceback (spawn.py)."""
     try:
-        device = init_worker_group(rank, world_size, port, settings.threads_per_rank, settings.timeout_s)
+        device = init_worker_group(rank, world_size, port, settings.threads_per_rank, settings.timeout_s,
+                                   master_addr)
         ctx = WorkerContext(rank, world_size, device, settings)
         result = _train(system, ctx)
     except BaseException:
@@ -533,7 +698,7 @@ def run_system(system: str, settings: Settings) -> Dict[str, Any]:
                           timeout=datetime.timedelta(seconds=settings.timeout_s))
     out_dir = tempfile.mkdtemp(prefix=f"hfz_bench_{system}_")
     port = store.port
-    procs, timed_out = spawn(_worker, lambda rank: (rank, world, port, system, settings, out_dir), world,
+    procs, timed_out = spawn(train_worker, lambda rank: (rank, world, port, system, settings, out_dir), world,
                              settings.timeout_s, settings.threads_per_rank)
     del store
 

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 ERROR_GRACE_S = 20  # after one rank died, how long its peers get to fail on their own before being killed
 
@@ -53,14 +53,16 @@ def spawn(target: Callable, args_of: Callable[[int], tuple], n: int, timeout_s: 
     return procs, timed_out
 
 
-def first_error(out_dir: str, world: int) -> Optional[str]:
-    """The error file of the rank that failed first for a reason of its own (ranks that only lost a peer go last)."""
+def first_error(out_dir: Union[str, Sequence[str]], world: int) -> Optional[str]:
+    """The error file of the rank that failed first for a reason of its own (ranks that only lost a peer go last);
+    `out_dir` may be several folders (one per host), each holding its own ranks' files."""
     texts = {}
-    for r in range(world):
-        path = os.path.join(out_dir, f"error_rank{r}.txt")
-        if os.path.exists(path):
-            with open(path) as f:
-                texts[r] = f.read()
+    for folder in ([out_dir] if isinstance(out_dir, str) else out_dir):
+        for r in range(world):
+            path = os.path.join(folder, f"error_rank{r}.txt")
+            if os.path.exists(path) and r not in texts:
+                with open(path) as f:
+                    texts[r] = f.read()
     if not texts:
         return None
     order = sorted(texts, key=lambda r: ("by peer" in texts[r] or "Connection reset" in texts[r], r))

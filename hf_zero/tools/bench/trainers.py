@@ -137,10 +137,12 @@ _OPTION_FIELDS = {"hsdp": "shard_group_size", "hpz": "hpz_partition_size"}
 
 class HfZeroTrainer(Trainer):
     """hf_zero: shard_model(model, AdamW, ZeroConfig(stage=k)), with `option` "hsdp" / "hpz" over groups of
-    `group_size` ranks and `collectives` ("auto", "flat", "chunked"); no_sync on non-final micro-batches."""
+    `group_size` ranks, `collectives` ("auto", "flat", "chunked") and further ZeroConfig `options` (the quantized
+    systems' quantized_weights / quantized_gradients); no_sync on non-final micro-batches."""
 
     def __init__(self, model, ctx: "WorkerContext", stage: int, option: str = "none",
-                 group_size: Optional[int] = None, collectives: str = "auto") -> None:
+                 group_size: Optional[int] = None, collectives: str = "auto",
+                 options: Optional[Dict[str, Any]] = None) -> None:
         import torch
 
         from ... import ZeroConfig, shard_model
@@ -148,7 +150,7 @@ class HfZeroTrainer(Trainer):
         self.ctx = ctx
         extra = {_OPTION_FIELDS[option]: group_size} if option != "none" else {}
         self.config = ZeroConfig(stage=stage, mixed_precision=ctx.settings.mixed_precision, collectives=collectives,
-                                 **extra)
+                                 **extra, **(options or {}))
         optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.settings.lr)
         self.engine = shard_model(model, optimizer, self.config, device=ctx.device)
         self.model = model
@@ -181,10 +183,24 @@ class HfZeroTrainer(Trainer):
         return {where: {k: v[f"{where}_elements"] for k, v in stats.items() if k in DATA_KINDS}
                 for where in ("intra", "inter")}
 
+    def comm_bytes_split(self) -> Optional[Dict[str, Dict[str, float]]]:
+        """Bytes on the wire per kind, intra/inter: the ledger per strategy (a quantizing strategy books its codes
+        and scales, the others their elements' bytes), summed over the strategies."""
+        from ...engine.comm import DATA_KINDS
+
+        out: Dict[str, Dict[str, float]] = {"intra": {}, "inter": {}}
+        for kinds in self.engine.comm_stats_by_strategy().values():
+            for kind, v in kinds.items():
+                if kind in DATA_KINDS:
+                    for where in out:
+                        out[where][kind] = out[where].get(kind, 0) + v[f"{where}_bytes"]
+        return out
+
     def row_extras(self) -> Dict[str, Any]:
         topo = self.engine.topology
         # The engine's own view of its groups: shows the option really ran (K = 1 or N would be the plain stage).
         return {"engine_topology": {"option": topo.option, "group_size": topo.group_size,
                                     "num_hosts": topo.num_hosts},
                 "hpz_secondary_peak_bytes": int(self.engine.memory_stats()["hpz_secondary_peak"]),
-                "collectives": sorted(self.engine.collectives)}
+                "collectives": sorted(self.engine.collectives),
+                "strategies_booked": sorted(self.engine.comm_stats_by_strategy())}
