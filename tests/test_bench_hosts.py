@@ -176,3 +176,11 @@ def test_bench_across_two_hosts_books_the_formula(tmp_path):
     for where in ("intra", "inter"):
         assert abs(zpp[f"comm_bytes_measured_{where}"] - zpp[f"comm_bytes_formula_{where}"]) <= 2 * slack, zpp
     assert zpp["comm_bytes_measured_inter"] <= 0.3 * plain["comm_bytes_measured_inter"], (zpp, plain)
+
+    # what crossed the link (the veth ends' counters, both directions): the ledger's per-rank count is not that,
+    # but the link carries at least one copy of each host's half of every inter-host collective, and hpZ + qwZ +
+    # qgZ cuts it as much as the ledger says
+    for r in rows.values():
+        assert len(r["link_bytes_per_step_by_host"]) == 2 and r["link_bytes_per_step"] > 0, r
+    assert plain["link_bytes_per_step"] >= plain["comm_bytes_measured_inter"], plain
+    assert zpp["link_bytes_per_step"] <= 0.3 * plain["link_bytes_per_step"], (zpp, plain)

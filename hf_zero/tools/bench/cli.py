@@ -92,10 +92,11 @@ def _link_label(rate: Optional[str]) -> str:
 
 def format_link_table(rows: List[Dict[str, Any]]) -> str:
     """The rows of a `--hosts` run: per link rate and system, steps/s, the ratio to plain stage 3 (zero3) on the
-    same link, and the bytes on the wire per step and rank (max over ranks) between the hosts and inside them,
-    each measured (formula)."""
+    same link, the bytes on the wire per step and rank (max over ranks) between the hosts and inside them, each
+    measured (formula), as the ledger books them, and what really crossed the link per step (both directions,
+    the veth ends' counters, headers included)."""
     header = ["link", "system", "hosts x ranks", "steps/s", "x zero3", "inter-host MB/step (formula)",
-              "intra-host MB/step (formula)", "tokens/s", "status"]
+              "intra-host MB/step (formula)", "link MB/step", "tokens/s", "status"]
     base = {r.get("link_rate"): r for r in rows if r["system"] == "zero3" and r.get("status") == "ok"}
     body = []
     for r in rows:
@@ -109,6 +110,7 @@ def format_link_table(rows: List[Dict[str, Any]]) -> str:
             f"{ratio:.2f}" if ratio is not None else "n/a",
             _pair(r.get("comm_bytes_measured_inter"), r.get("comm_bytes_formula_inter"), _fmt_mb) if ok else "-",
             _pair(r.get("comm_bytes_measured_intra"), r.get("comm_bytes_formula_intra"), _fmt_mb) if ok else "-",
+            _fmt_mb(r.get("link_bytes_per_step")) if ok else "-",
             f"{r['tokens_per_s']:,.1f}" if ok else "-",
             status_text(r),
         ])

@@ -507,6 +507,35 @@ def _split_fields(everyone: List[Dict[str, Any]], formula: Optional[Split], key:
     return out
 
 
+def _link_tx_bytes() -> Optional[int]:
+    """Bytes this host has sent over its end of the link so far (the kernel's counter of GLOO_SOCKET_IFNAME, one
+    interface: the namespace hosts' veth end), or None where there is no such single interface."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if not ifname or "," in ifname or "/" in ifname:
+        return None
+    try:
+        with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _link_fields(everyone: List[Dict[str, Any]], steps: int) -> Dict[str, Any]:
+    """What really crossed the link per step: each host's transmitted bytes over the timed steps (the kernel's
+    counter of its veth end, headers included; the widest window its ranks saw), summed over the hosts, so both
+    directions. Unlike the ledger's per-rank count this depends on gloo's algorithms and on how many of a
+    host's ranks receive the same data."""
+    per_host: Dict[str, List[int]] = {}
+    for r in everyone:
+        if r.get("link_tx") is None:
+            return {}
+        before, after = r["link_tx"]
+        lo_hi = per_host.setdefault(r["host"], [before, after])
+        lo_hi[0], lo_hi[1] = min(lo_hi[0], before), max(lo_hi[1], after)
+    by_host = {h: (hi - lo) / steps for h, (lo, hi) in per_host.items()}
+    return {"link_bytes_per_step": sum(by_host.values()), "link_bytes_per_step_by_host": by_host}
+
+
 def _hierarchical_fields(spec: SystemSpec, counts: Counts, settings: Settings, recipe) -> Dict[str, Any]:
     """hf_zero rows: the option and its K; hpZ: the secondary shard's formula, P (Ψ' - r) / K bytes (not a model
     state: it lives from a unit's forward to its backward)."""
@@ -566,6 +595,7 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
         one_step()
     sync()
     dist.barrier()
+    tx_before = _link_tx_bytes() if s.hosts > 1 else None
     comm_before, split_before, bytes_before = trainer.comm_elements(), trainer.comm_split(), trainer.comm_bytes_split()
     with _profiled(s.profile_dir, system, ctx) as phases:
         t0 = time.perf_counter()
@@ -573,6 +603,10 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
             one_step()
         sync()
         elapsed = time.perf_counter() - t0
+    tx_after = None
+    if tx_before is not None:
+        dist.barrier()  # every rank's timed collectives are on the wire
+        tx_after = _link_tx_bytes()
     comm_after, split_after, bytes_after = trainer.comm_elements(), trainer.comm_split(), trainer.comm_bytes_split()
     comm = None if comm_after is None else _per_step(comm_after, comm_before, s.steps)
     split = None if split_after is None else {
@@ -582,6 +616,7 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
 
     mine = {"elapsed": elapsed, "state_bytes": trainer.state_bytes(), "peak_bytes": _peak_bytes(ctx.device),
             "comm": comm, "comm_split": split, "comm_bytes_split": split_bytes, "host": socket.gethostname(),
+            "link_tx": None if tx_after is None else (tx_before, tx_after),
             "loss": losses[-1] if losses else float("nan")}
     everyone: List[Dict[str, Any]] = [None] * ctx.world_size  # type: ignore[list-item]
     dist.all_gather_object(everyone, mine)
@@ -607,7 +642,7 @@ def _train(system: str, ctx: WorkerContext) -> Dict[str, Any]:
     elif any(r.get("comm_bytes_split") is not None for r in everyone):  # a peer that books bytes per host
         extra.update(_split_fields(everyone, None, "comm_bytes_split", "bytes"))
     if s.hosts > 1:
-        extra.update(link_rate=s.link_rate, hosts_requested=s.hosts)
+        extra.update(link_rate=s.link_rate, hosts_requested=s.hosts, **_link_fields(everyone, s.steps))
     # HSDP partitions the model states K ways; hpZ's secondary shard is not a model state (plain stage 3 over N).
     state_n = group_size(spec.option, s) if spec.option == "hsdp" else ctx.world_size
     elapsed_max = max(r["elapsed"] for r in everyone)
