@@ -1,0 +1,6 @@
+"""`python -m hf_zero.tools.bench.capacity`: a capacity run, or one trial's rank (`--worker JOB --rank R`)."""
+import sys
+
+from .cli import main
+
+sys.exit(main())
