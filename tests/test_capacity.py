@@ -249,6 +249,62 @@ def test_estimator_predicts_more_layers_for_each_stage():
     assert est.largest("zero3", "full", 4, budget) > full["zero3"]  # stage 3 divides by N
 
 
+# ---------------------------------------------------------------------------------------------------- command line
+def test_hf_zero_bench_capacity_parses_its_flags_beside_the_benchs(capsys):
+    """`hf-zero bench --capacity` takes the capacity flags on bench's own parser (no flag declared twice: argparse
+    would refuse the parser), --help lists them, and the 7B demonstration's command line parses."""
+    from hf_zero.cli import main as hf_zero_main
+    from hf_zero.tools.bench import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        hf_zero_main(["bench", "--capacity", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--capacity", "--budget", "--capacity-systems", "--ranks", "--modes", "--max-layers", "--cgroups",
+                 "--systems", "--num-processes", "--malloc-mmap-threshold"):
+        assert flag in out, flag
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--capacity", "--shape", "llama7b", "--layers", "32", "--modes", "lora", "--budget",
+                              "10GiB", "--capacity-systems", "zero3-int8,ddp,fsdp2,deepspeed_zero3", "--ranks",
+                              "2", "--weights-dtype", "bf16", "--seed", "3"])
+    assert args.capacity and args.layers == 32 and args.modes == ["lora"] and args.ranks == [2]
+    assert args.budget == 10 * 2**30 and args.capacity_systems == ["zero3-int8", "ddp", "fsdp2", "deepspeed_zero3"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--budget", "lots"], "argument --budget: 'lots' is not a number of bytes"),
+    (["--modes", "xyz"], "argument --modes: modes are full, lora"),
+    (["--ranks", "2,x"], "argument --ranks: world sizes are positive integers"),
+    (["--capacity-systems", "zero9"], "argument --capacity-systems: unknown system 'zero9'"),
+    (["--max-layers", "0"], "argument --max-layers: expected a positive integer"),
+])
+def test_a_bad_capacity_value_is_named_with_exit_2_and_no_traceback(argv, says, capsys):
+    from hf_zero.cli import main as hf_zero_main
+
+    with pytest.raises(SystemExit) as exit_:
+        hf_zero_main(["bench", "--capacity", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--capacity", "--systems", "zero3"], "--capacity does not read --systems (use --capacity-systems)"),
+    (["--capacity", "--json", "x.json", "--steps", "3"], "--steps (use --train-steps), --json (use --capacity-json)"),
+    (["--budget", "1GiB"], "without --capacity, bench does not read --budget"),
+    (["--capacity", "--keep-weights"], "--keep-weights keeps the random checkpoint in --weights-dir"),
+])
+def test_flags_of_the_other_table_are_refused_not_ignored(argv, says, capsys):
+    """Each table's flags are its own: given to the other one they are named (with what to use instead), exit 2,
+    before anything runs."""
+    from hf_zero.cli import main as hf_zero_main
+
+    assert hf_zero_main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+
+
 # ---------------------------------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_capacity_ordering_stage3_stage1_ddp(tmp_path):

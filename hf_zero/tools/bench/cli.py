@@ -10,6 +10,7 @@ from dataclasses import asdict
 from typing import Any, Callable, Dict, List, Optional
 
 from .base import Settings, cpu_count, extensions_dir, write_json_line
+from .capacity import add_capacity_arguments, run_capacity
 from .load import LOAD_PRESETS, add_load_arguments, resolve_model_config, run_load
 from .runner import (COMPILED, DEFAULT_TIMEOUT_S, PRESETS, RANKS_PER_HOST_FLAG, SYSTEMS, base_system, log,
                      max_positions, build_config, run_system, skipped_row)
@@ -197,6 +198,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draw tokens/s and bytes per rank per system to this PNG (needs matplotlib: "
                              "pip install 'hf_zero[bench]')")
     add_load_arguments(parser)
+    parser.add_argument("--capacity", action="store_true",
+                        help="the capacity table instead of the throughput one: the largest Llama each system trains "
+                             "within --budget bytes per rank, enforced by a memory cgroup per rank (the flags below; "
+                             "--seed and --malloc-mmap-threshold apply too)")
+    add_capacity_arguments(parser)
+
+
+# bench's own flags that a capacity run does not read, and what to say instead
+_NOT_FOR_CAPACITY = {"systems": "--capacity-systems", "num_processes": "--ranks", "steps": "--train-steps",
+                     "seq_len": "--tokens", "json": "--capacity-json", "plot": "--capacity-plot", "timeout":
+                     "--trial-timeout", "preset": "--shape", "config": "--shape/--width", "load": None, "hosts": None}
+
+
+def _capacity_conflicts(args: argparse.Namespace) -> List[str]:
+    """Flags given (a value other than the default) that this run would ignore: with --capacity the throughput
+    bench's, without it the capacity run's."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    default = parser.parse_args([])
+
+    def given(dest: str) -> bool:  # a Namespace made in code may lack a flag: not given
+        return hasattr(args, dest) and getattr(args, dest) != getattr(default, dest)
+
+    if getattr(args, "capacity", False):
+        return [f"--{dest.replace('_', '-')}" + (f" (use {instead})" if instead else "")
+                for dest, instead in _NOT_FOR_CAPACITY.items() if given(dest)]
+    capacity_only = argparse.ArgumentParser()
+    add_capacity_arguments(capacity_only)
+    return [a.option_strings[0] for a in capacity_only._actions if a.option_strings and a.dest != "help"
+            and given(a.dest)]
 
 
 def _parse_systems(text: str) -> List[str]:
@@ -325,7 +356,16 @@ def _run_on_hosts(systems: List[str], settings: Settings, rates: List[Optional[s
 
 def run(args: argparse.Namespace) -> int:
     """`hf-zero bench`: run every requested system, print the table, write --json and --plot; the exit code is
-    1 when an hf_zero system failed, 2 on bad arguments, else 0 (skipped rows and failed peers do not count)."""
+    1 when an hf_zero system failed, 2 on bad arguments, else 0 (skipped rows and failed peers do not count).
+    With --capacity, the capacity table instead (capacity/)."""
+    conflicts = _capacity_conflicts(args)
+    if conflicts:
+        reads = "--capacity does not read" if getattr(args, "capacity", False) else \
+            "without --capacity, bench does not read"
+        print(f"hf-zero bench: error: {reads} {', '.join(conflicts)}", file=sys.stderr)
+        return 2
+    if getattr(args, "capacity", False):
+        return run_capacity(args)
     if getattr(args, "load", False):
         if (getattr(args, "hosts", 1) or 1) > 1:
             print("hf-zero bench: error: --load runs on this one host; --hosts is not supported with it",
