@@ -330,3 +330,39 @@ def test_capacity_ordering_stage3_stage1_ddp(tmp_path):
         if memory_cgroup_support()[0] is not None:
             assert c["failing_how"] == "oom", c  # the next size was killed by the kernel for going over
     assert not (tmp_path / "weights" / "weights").exists()  # the random checkpoint is removed after the run
+
+
+# ---------------------------------------------------------------------------------------------------- a killed run
+@pytest.mark.slow
+def test_a_terminated_run_removes_its_cgroups_and_its_ranks(tmp_path):
+    """`kill PID` (SIGTERM) of a capacity run while a trial's ranks run in their cgroups: the run exits, its rank
+    processes are gone and no cgroup of its own is left under this process's memory cgroup (a leftover one keeps
+    its limit and its charge until root removes it)."""
+    import signal
+    import subprocess
+    import time
+
+    support = _cgroups()
+    proc = subprocess.Popen([sys.executable, "-m", "hf_zero.tools.bench.capacity", "--width", "64", "--vocab", "128",
+                             "--budget", "1GiB", "--capacity-systems", "ddp", "--modes", "full", "--ranks", "2",
+                             "--layers", "1", "--train-steps", "1000000", "--trial-timeout", "600"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    mine = f"hfz_capacity_{proc.pid}_"
+    try:
+        deadline = time.monotonic() + 300
+        pids = []
+        while not pids:  # the trial's ranks have joined their cgroups (the state, not a time)
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its trial started"
+            for name in os.listdir(support.parent):
+                if name.startswith(mine):
+                    with open(os.path.join(support.parent, name, "cgroup.procs")) as f:
+                        pids += [int(p) for p in f.read().split()]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not [n for n in os.listdir(support.parent) if n.startswith(mine)], "cgroups left behind"
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -145,8 +146,27 @@ def _listed(value: Any, parse) -> List[Any]:
     return list(value) if isinstance(value, (list, tuple)) else parse(value)
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    # `kill PID` must still run the finally blocks: the ranks are killed, their cgroups (which keep their limit and
+    # charge until root removes them) and the random checkpoint removed
+    raise SystemExit(128 + signum)
+
+
 def run_capacity(args: argparse.Namespace) -> int:
-    """Run the capacity table (or the fixed-size runs of --layers); print it; 0 when every cell ran, 1 otherwise."""
+    """Run the capacity table (or the fixed-size runs of --layers); print it; 0 when every cell ran, 1 otherwise.
+    SIGTERM ends it like Ctrl-C: ranks killed, cgroups and the random checkpoint removed."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return _run_capacity(args)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _run_capacity(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_capacity(args: argparse.Namespace) -> int:
     try:
         shape = _shape(args)
         # argparse has parsed these already; a Namespace made in code may still hold the command line's text
