@@ -12,10 +12,12 @@ Offline defaults (no Hub access needed):
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -73,12 +75,26 @@ def _is_complete(folder: Path, marker: str) -> bool:
     return (folder / marker).is_file()
 
 
+@contextlib.contextmanager
+def _random_stream_kept():
+    """Python's and torch's CPU random states as they were before: building a cache entry (a model's
+    `from_config` initialises its weights from the global RNG) must not change the run's data order, or the first
+    run on a machine (which builds) would shuffle differently from the next ones (which find it)."""
+    import torch
+
+    state = random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(state)
+
+
 def _build_atomically(target: Path, build: Callable[[Path], None]) -> Path:
     """Run build(tmp_dir) and rename tmp_dir to target, so a crash never leaves a half-written folder."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
     try:
-        build(tmp)
+        with _random_stream_kept():
+            build(tmp)
         if target.exists():  # an incomplete leftover (no marker) or a concurrent builder's result
             shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
@@ -191,9 +207,8 @@ def tiny_model_dir(accelerator, cache_dir: Path, config, seed: int) -> Path:
         import torch
         from transformers import AutoModelForCausalLM
 
-        with torch.random.fork_rng(devices=[]):  # the run's own random stream (data order) must not depend on it
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        torch.manual_seed(seed)  # the run's own random stream is restored after the build (_build_atomically)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         save_pretrained_here(model, out, max_shard_size="2MB")
 
     key = hashlib.sha256((config.to_json_string() + str(seed)).encode()).hexdigest()[:16]
