@@ -192,12 +192,10 @@ def test_reduce_scatter_equals_the_fp32_sum_of_dequantized_chunks(dist_results, 
                 assert got["rs_on_done"] is not None and same_bits(got["rs_on_done"], want), (rank, chunk, dname)
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", [w for w in WORLD_SIZES if w >= 3])  # two bf16 addends round like their fp32 sum
 def test_the_sum_is_taken_in_fp32_not_in_the_gradient_dtype(world_size):
     """The reference's fp32 sum differs from a bf16 sum of the same chunks somewhere (else the test above could not
     tell them apart)."""
-    if world_size < 3:
-        pytest.skip("two bf16 addends round like their fp32 sum")
     chunk = 37
     for rank in range(world_size):
         parts = [ref_round_trip(grad_input(r, world_size, chunk, torch.bfloat16)[rank * chunk:(rank + 1) * chunk],
