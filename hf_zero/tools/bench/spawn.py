@@ -35,22 +35,33 @@ def spawn(target: Callable, args_of: Callable[[int], tuple], n: int, timeout_s: 
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    start, first_failure, timed_out = time.monotonic(), None, False
-    while any(p.is_alive() for p in procs):
-        multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=1.0)
-        now = time.monotonic()
-        if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
-            first_failure = now
-        if first_failure is not None and now - first_failure > ERROR_GRACE_S:
-            break
-        if now - start > timeout_s:
-            timed_out = True
-            break
+    timed_out = wait_bounded(lambda: [p.exitcode for p in procs], lambda: multiprocessing.connection.wait(
+        [p.sentinel for p in procs if p.is_alive()], timeout=1.0), ERROR_GRACE_S, timeout_s)
     for p in procs:
         if p.is_alive():
             p.kill()
         p.join()
     return procs, timed_out
+
+
+def wait_bounded(exit_codes: Callable[[], Sequence[Optional[int]]], pause: Callable[[], Any], grace_s: float,
+                 timeout_s: float, clock: Callable[[], float] = time.monotonic) -> bool:
+    """Wait until every process has exited (`exit_codes()` holds no None), or until `grace_s` after the first
+    failure (a rank blocked in a collective with a dead peer never exits on its own), or `timeout_s` in all;
+    True when the timeout ended it. `pause()` blocks a little: until a process exits, or one poll interval."""
+    start, first_failure = clock(), None
+    while True:
+        codes = exit_codes()
+        if all(c is not None for c in codes):
+            return False
+        now = clock()
+        if first_failure is None and any(c not in (None, 0) for c in codes):
+            first_failure = now
+        if first_failure is not None and now - first_failure > grace_s:
+            return False
+        if now - start > timeout_s:
+            return True
+        pause()
 
 
 def first_error(out_dir: Union[str, Sequence[str]], world: int) -> Optional[str]:

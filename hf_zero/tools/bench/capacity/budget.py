@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
+from ..spawn import wait_bounded
 from .cgroups import CgroupSupport, MemoryCgroup
 from .units import gib
 
@@ -59,17 +60,7 @@ def run_ranks(argvs: Sequence[Sequence[str]], budget_bytes: int, timeout_s: floa
             logs.append(out)
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                           env={**os.environ, **(env or {})}))
-        first_failure, timed_out = None, False
-        while any(p.poll() is None for p in procs):
-            time.sleep(0.1)
-            now = time.monotonic()
-            if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
-                first_failure = now
-            if first_failure is not None and now - first_failure > grace_s:
-                break
-            if now - t0 > timeout_s:
-                timed_out = True
-                break
+        timed_out = wait_bounded(lambda: [p.poll() for p in procs], lambda: time.sleep(0.1), grace_s, timeout_s)
         for p in procs:
             if p.poll() is None:
                 p.kill()
