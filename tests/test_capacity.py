@@ -307,24 +307,26 @@ def test_flags_of_the_other_table_are_refused_not_ignored(argv, says, capsys):
 
 # ---------------------------------------------------------------------------------------------------- end to end
 @pytest.mark.slow
-def test_capacity_ordering_stage3_stage1_ddp(tmp_path):
-    """A real capacity run (2 gloo ranks, a 1 GiB budget per rank, each rank in its own memory cgroup where the
-    machine has one; Llama of width 1024, full fine-tune, fp32 AdamW): hf_zero stage 3 fits at least as many layers
-    as stage 1, which fits at least as many as DDP, and stage 3 strictly more than DDP.
+def test_capacity_stage3_fits_more_layers_than_ddp(tmp_path):
+    """A real capacity run (2 gloo ranks, 1.25 GiB per rank, each rank in its own memory cgroup where the machine
+    has one; Llama of width 1024, full fine-tune, fp32 AdamW): hf_zero stage 3 fits at least two layers more than
+    DDP.
 
-    The independent reason is the paper's model-state formulas: per parameter and rank, fp32 AdamW holds
-    16 bytes under DDP (parameters 4, gradients 4, two Adam states 8), 4 + 4 + 8/N = 12 at stage 1 and 16/N = 8 at
-    stage 3 on N = 2 ranks; what else a rank holds (the runtime, activations of one micro-batch, a gathered unit at
-    stage 3, buckets) is the same or bounded by a layer or two, so at a fixed budget the layer counts order the
-    other way round."""
+    The independent reason is the paper's model-state formulas: per parameter and rank, fp32 AdamW holds 16 bytes
+    under DDP and 16/N = 8 at stage 3 on N = 2 ranks, 200 MB against 100 MB per layer of this width. Stage 3 also
+    holds transient buffers (two gathered units, a unit's full gradients before its reduce-scatter: ~0.25 GiB here),
+    which is why stage 1 (12 bytes, no such buffers) is not compared: at this scale it fits as many layers as stage
+    3 or one more (measured: 4 and 3 at 1 GiB, 7 and 8 at 1.5 GiB)."""
     out = tmp_path / "capacity.json"
-    rc = main(["--width", "1024", "--vocab", "4096", "--budget", "1GiB", "--capacity-systems", "ddp,zero1,zero3",
+    rc = main(["--width", "1024", "--vocab", "4096", "--budget", "1.25GiB", "--capacity-systems", "ddp,zero3",
                "--modes", "full", "--ranks", "2", "--max-layers", "64", "--capacity-json", str(out),
-               "--weights-dir", str(tmp_path / "weights"), "--trial-timeout", "600"])
+               "--weights-dir", str(tmp_path / "weights"), "--trial-timeout", "600",
+               # big buffers mmap'd and given back when freed: peaks follow the buffers, not glibc's retained heap
+               "--malloc-mmap-threshold", "1048576"])
     assert rc == 0
     cells = {c["system"]: c for c in json.loads(out.read_text())["cells"]}
-    ddp, zero1, zero3 = (cells[s]["largest"] for s in ("ddp", "zero1", "zero3"))
-    assert 1 <= ddp <= zero1 <= zero3 and ddp < zero3, (ddp, zero1, zero3)
+    ddp, zero3 = (cells[s]["largest"] for s in ("ddp", "zero3"))
+    assert 1 <= ddp and ddp + 2 <= zero3, (ddp, zero3)
     for c in cells.values():
         assert c["status"] == "ok" and c["first_failing"] == c["largest"] + 1
         if memory_cgroup_support()[0] is not None:
@@ -366,3 +368,16 @@ def test_a_terminated_run_removes_its_cgroups_and_its_ranks(tmp_path):
     assert not [n for n in os.listdir(support.parent) if n.startswith(mine)], "cgroups left behind"
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
+
+
+def test_the_ranks_mmap_big_buffers_unless_told_otherwise():
+    """The capacity run sets MALLOC_MMAP_THRESHOLD_=1 MiB in its ranks by default (glibc's retained heap moved a
+    rank's peak by up to 0.4 GiB between neighbouring sizes); a value given is used, 0 leaves glibc's own."""
+    import argparse
+
+    from hf_zero.tools.bench.capacity.cli import _mmap_threshold
+
+    assert _mmap_threshold(argparse.Namespace(malloc_mmap_threshold=None)) == 2**20
+    assert _mmap_threshold(argparse.Namespace()) == 2**20
+    assert _mmap_threshold(argparse.Namespace(malloc_mmap_threshold=4096)) == 4096
+    assert _mmap_threshold(argparse.Namespace(malloc_mmap_threshold=0)) is None
