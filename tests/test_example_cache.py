@@ -22,8 +22,16 @@ def _draws():
 
 def test_building_the_cache_leaves_the_random_stream_as_finding_it_does(tmp_path):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     accelerator = Accelerator(cpu=True)
+    try:
+        _check_the_stream(accelerator, tmp_path)
+    finally:  # Accelerate's state is a per-process singleton: later tests in this process build their own
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _check_the_stream(accelerator, tmp_path):
 
     def build(out):  # a model initialised from the global RNG, as convert_smollm2's from_config does
         torch.nn.Linear(64, 64)
