@@ -39,10 +39,12 @@ by the formula (`formula_bytes_for_hosts`: elements x dtype bytes, or W x quanti
 all-gather / reduce-scatter of P elements over W ranks). With `--hosts 2 --link-rate R` (multihost.py) every
 system runs on two namespace hosts over a rate-limited link, and rows say the rate.
 
-Systems live in the SYSTEMS registry below (name -> SystemSpec with a builder); add peers there. A peer from an
-optional extra (DeepSpeed: `pip install deepspeed`) that cannot be imported gets a row with status "skipped" and the
-reason, never an error. The command line, the table and --json are in cli.py; `--plot out.png` draws
-throughput and bytes per rank per system (plot.py).
+Systems live in the SYSTEMS registry (systems.py: name -> SystemSpec, spec.py, with a builder); add peers there.
+A peer from an optional extra (DeepSpeed: `pip install deepspeed`) that cannot be imported gets a row with status
+"skipped" and the reason, never an error. The formulas a row is compared with are in formulas.py. This module
+trains and measures one system on one rank (`train_worker`) and runs it (`run_system`: one spawned group of
+workers), with the model presets and configs. The command line, the table and --json are in cli.py; `--plot
+out.png` draws throughput and bytes per rank per system (plot.py).
 """
 from __future__ import annotations
 
@@ -50,28 +52,29 @@ import argparse
 import contextlib
 import datetime
 import json
-import math
 import os
 import socket
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from dataclasses import asdict
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from .base import Settings, Trainer, WorkerContext, init_worker_group
+from .base import Settings, WorkerContext, init_worker_group
+from .formulas import (RANKS_PER_HOST_FLAG, formula_bytes_for_hosts, formula_split_for_hosts, group_size,
+                       resolve_group_size)
 from .spawn import error_summary, first_error, spawn, worker_done, worker_failed
-from .trainers import DDPTrainer, FSDP2Trainer, HfZeroTrainer, ZeroRedundancyTrainer
+from .spec import Counts, Split, SystemSpec
+from .systems import COMPILED, SYSTEMS, base_system
 
-HF_ZERO_PREFIX = "zero"  # zero0..zero3 and their variants (zero*-hsdp, -hpz, -flat) are hf_zero: a failure fails
-RANKS_PER_HOST_FLAG = "--ranks-per-host"
+# what the bench's other modules and the tests import from here (the registry's and the formulas' names among them,
+# re-exported)
+__all__ = ["COMPILED", "DEFAULT_TIMEOUT_S", "PRESETS", "RANKS_PER_HOST_FLAG", "SYSTEMS", "base_system", "build_config",
+           "load_model_config", "log", "max_positions", "resolve_group_size", "run_system", "skipped_row",
+           "train_worker"]
+
 DEFAULT_TIMEOUT_S = 1800
-COMPILED = "+compile"  # "<system>+compile": the same system with torch.compile applied after it wraps the model
 
-
-def base_system(name: str) -> Tuple[str, bool]:
-    """("zero3", True) for "zero3+compile": the registry entry a row runs, and whether it is compiled."""
-    return (name[:-len(COMPILED)], True) if name.endswith(COMPILED) else (name, False)
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     # GPT-2 small (124M): the shapes of the `gpt2` checkpoint, built from scratch.
@@ -119,330 +122,6 @@ def max_positions(config) -> Optional[int]:
         if isinstance(value, int) and value > 0:
             return value
     return None
-
-
-# ====================================================================================================== registry
-@dataclass(frozen=True)
-class Counts:
-    """What the formulas take from the model and the run."""
-
-    psi: float  # trainable elements (tied weights once)
-    frozen: float  # frozen elements
-    resident: float  # the root unit's elements: hf_zero's stage 3 keeps them gathered from forward to backward
-    world: int  # N
-
-
-Split = Dict[str, Dict[str, float]]  # {"intra": {kind: elements}, "inter": {kind: elements}}
-
-
-@dataclass
-class SystemSpec:
-    """A benchmarked system: how to build its trainer on one rank, and how the paper counts it."""
-
-    build: Callable[[Any, "WorkerContext"], Trainer]
-    state_stage: int  # model_state_bytes() stage
-    recipe: Callable[[Settings], Any]  # -> hf_zero.tools.estimate.formulas.Recipe
-    comm_formula: Callable[[Counts, Settings], Dict[str, float]]  # -> elements per kind and step
-    hf_zero: bool = False
-    note: str = ""
-    # Returns None when the system can run with these settings, else why not (the row is then "skipped"): an
-    # optional peer that is not installed, a hierarchical option without a usable K.
-    unavailable: Optional[Callable[[Settings], Optional[str]]] = None
-    jit_extensions: bool = False  # may JIT-compile torch extensions: give it a temporary TORCH_EXTENSIONS_DIR
-    option: str = "none"  # hf_zero's hierarchical option ("hsdp", "hpz") over groups of --ranks-per-host ranks
-    collectives: str = "auto"  # hf_zero's ZeroConfig.collectives: "chunked" / "flat" force one form
-    in_all: bool = True  # part of `--systems all`
-    # hf_zero's further ZeroConfig options (the ZeRO++ systems: quantized_weights / quantized_gradients); a
-    # DeepSpeed system's extra zero_optimization keys (its ZeRO++ ones)
-    options: Optional[Dict[str, Any]] = None
-
-
-def _fp32_recipe(settings: Settings):
-    from ..estimate.formulas import recipe
-
-    return recipe("no")  # fp32 parameters, gradients and Adam states (autocast keeps fp32 weights)
-
-
-def _hf_zero_recipe(settings: Settings):
-    from ...config import ZeroConfig
-    from ..estimate.formulas import recipe
-
-    return recipe(settings.mixed_precision, ZeroConfig().grad_accum_dtype)
-
-
-def _paper_comm(stage: int) -> Callable[[Counts, Settings], Dict[str, float]]:
-    def formula(counts: Counts, settings: Settings) -> Dict[str, float]:
-        from ..estimate.formulas import comm_elements_per_step
-
-        return comm_elements_per_step(counts.psi, stage, settings.grad_accum, frozen=counts.frozen)
-
-    return formula
-
-
-def _zero_redundancy_comm(counts: Counts, settings: Settings) -> Dict[str, float]:
-    return {"all_reduce": 2 * counts.psi, "broadcast": counts.psi}  # DDP's all-reduce, then each shard broadcast
-
-
-def resolve_group_size(n: int, k: Optional[int]) -> Tuple[Optional[int], Optional[str]]:
-    """(K, None): the group size of the hierarchical systems on N ranks for `--ranks-per-host k` (None: the
-    default N//2), or (None, why they cannot run). K = 1 or K = N would quietly be the plain stage (the engine
-    turns the option off), so such a row is skipped rather than measured under the option's name."""
-    divisors = [d for d in range(2, n) if n % d == 0]
-    if not divisors:
-        return None, (f"needs {RANKS_PER_HOST_FLAG} K with 1 < K < N dividing N, and N={n} (--num-processes) "
-                      f"has no such K")
-    usable = f"give {RANKS_PER_HOST_FLAG} K, one of {', '.join(map(str, divisors))}"
-    if k is None:
-        if n % 2 == 0:
-            return n // 2, None
-        return None, f"needs {RANKS_PER_HOST_FLAG} K (the default N//2 needs an even N, got N={n}); {usable}"
-    if k in (1, n):
-        return None, f"{RANKS_PER_HOST_FLAG} {k} with N={n} ranks is the plain stage (K = 1 or K = N); {usable}"
-    if n % k:
-        return None, f"{RANKS_PER_HOST_FLAG} {k} does not divide N={n} ranks; {usable}"
-    return k, None
-
-
-def group_size(option: str, settings: Settings) -> int:
-    """K of a system's groups: N for the plain systems, the resolved --ranks-per-host for the hierarchical ones."""
-    if option == "none":
-        return settings.num_processes
-    k, reason = resolve_group_size(settings.num_processes, settings.ranks_per_host)
-    if k is None:
-        raise ValueError(reason)
-    return k
-
-
-def _hf_zero_split(counts: Counts, settings: Settings, stage: int, option: str, k: int) -> Split:
-    from ..estimate.formulas import hierarchical_comm_elements
-
-    return hierarchical_comm_elements(counts.psi, counts.world, k, stage, option, settings.grad_accum,
-                                      resident=counts.resident if stage == 3 else 0, frozen=counts.frozen)
-
-
-def _merged(split: Split) -> Dict[str, float]:
-    out: Dict[str, float] = {}
-    for kinds in split.values():
-        for kind, n in kinds.items():
-            out[kind] = out.get(kind, 0) + n
-    return out
-
-
-def formula_split_for_hosts(spec: SystemSpec, counts: Counts, settings: Settings,
-                            host_size: Optional[int]) -> Optional[Split]:
-    """An hf_zero system's formula elements split for the hosts the run had (`host_size` ranks each): on one host
-    everything is intra, whatever the option's K; None where the formulas do not cover the layout (hosts of
-    another size than the option's groups)."""
-    n, k = counts.world, group_size(spec.option, settings)
-    if host_size == n:
-        return {"intra": spec.comm_formula(counts, settings), "inter": {}}
-    if spec.option == "none" and host_size is not None and n % host_size == 0:
-        split = _hf_zero_split(counts, settings, spec.state_stage, "none", host_size)
-    elif host_size == k:
-        split = _hf_zero_split(counts, settings, spec.state_stage, spec.option, k)
-    else:
-        return None
-    if _two_hop_qgz(spec, n, host_size):
-        # qgZ's two hops (engine HostsReduce): the reduce-scatter of P elements inside the host, then of the
-        # host's P / K sums across the hosts
-        rs = split["inter"].pop("reduce_scatter")
-        split["intra"]["reduce_scatter"] = split["intra"].get("reduce_scatter", 0) + rs
-        split["inter"]["reduce_scatter"] = rs / host_size
-    return split
-
-
-def _two_hop_qgz(spec: SystemSpec, n: int, host_size: Optional[int]) -> bool:
-    """Whether the engine reduces this system's quantized gradients in two hops (inside the host, then across):
-    qgZ over the world group (not HSDP's host groups) on hosts of 1 < K < N ranks."""
-    quantized = (spec.options or {}).get("quantized_gradients", "none") != "none"
-    return quantized and spec.option != "hsdp" and host_size is not None and 1 < host_size < n
-
-
-_BITS = {"int8": 8, "int4": 4}
-
-
-def _element_bytes(kind: str, settings: Settings) -> int:
-    """Bytes per element hf_zero sends of `kind`: parameters in the compute dtype, gradients in the reduce dtype
-    (ZeroConfig's default: fp32, also under mixed precision)."""
-    if kind in ("all_gather", "broadcast"):
-        return 2 if settings.mixed_precision == "bf16" else 4
-    return 4
-
-
-def quantized_wire_bytes(elements: float, world: int, block_size: int, bits: int) -> float:
-    """Bytes on the wire of quantized all-gathers / reduce-scatters of `elements` (paper counting) over `world`
-    ranks: each rank's 1/world of them as codes plus one fp32 scale per block, world times (engine/quantize.py's
-    `quantized_nbytes`). A formula over a step's total: the engine quantizes per collective, whose blocks and
-    padding add a few scales more (at most one block and the padding per rank and collective)."""
-    from ...engine.quantize import quantized_nbytes
-
-    return world * quantized_nbytes(math.ceil(elements / world), block_size, bits)
-
-
-def formula_bytes_for_hosts(spec: SystemSpec, counts: Counts, settings: Settings,
-                            host_size: Optional[int]) -> Optional[Split]:
-    """An hf_zero system's formula bytes on the wire per step, split as `formula_split_for_hosts` splits its
-    elements. Unquantized kinds: elements x their dtype's bytes. A quantized kind (quantized_weights: the
-    all-gathers, quantized_gradients: the reduce-scatters) over the world group: `quantized_wire_bytes`, except
-    hpZ's backward all-gather inside the host, which copies the already quantized values exactly; on several
-    hosts the estimator's ZeRO++ collectives (`_zeropp_bytes`, qgZ's two hops included)."""
-    n, k = counts.world, group_size(spec.option, settings)
-    opts = spec.options or {}
-    block = int(opts.get("quantization_block_size", 256))
-    bits = {"all_gather": _BITS.get(opts.get("quantized_weights", "none")),
-            "reduce_scatter": _BITS.get(opts.get("quantized_gradients", "none"))}
-    over = k if spec.option == "hsdp" else n  # the group the quantized collectives run over
-
-    def nbytes(where: str, kind: str, elements: float) -> float:
-        b = bits.get(kind)
-        if b is None or (spec.option == "hpz" and kind == "all_gather" and where == "intra" and k != n):
-            return elements * _element_bytes(kind, settings)
-        return quantized_wire_bytes(elements, over, block, b)
-
-    if spec.options and spec.option != "hsdp" and not counts.frozen and host_size is not None and \
-            1 <= host_size < n and n % host_size == 0 and (spec.option == "none" or host_size == k):
-        return _zeropp_bytes(spec, counts, settings, host_size, bits, block)
-    roles = _hf_zero_split(counts, settings, spec.state_stage, spec.option, k)  # the option's own groups
-    by_role = {w: {kind: nbytes(w, kind, e) for kind, e in kinds.items()} for w, kinds in roles.items()}
-    if host_size == n:
-        return {"intra": _merged(by_role), "inter": {}}
-    if spec.option == "none" and host_size is not None and n % host_size == 0:
-        return {"intra": {}, "inter": _merged(by_role)}  # the world group spans the hosts
-    if host_size == k:
-        return by_role
-    return None
-
-
-def _zeropp_bytes(spec: SystemSpec, counts: Counts, settings: Settings, host_size: int,
-                  bits: Dict[str, Optional[int]], block: int) -> Split:
-    """A quantized system on several hosts of `host_size` ranks: the estimator's ZeRO++ collectives
-    (`hf_zero.tools.estimate.formulas.zeropp_collectives`: quantized collectives as W x quantized_nbytes(P / W),
-    hpZ's backward all-gather exact inside the host, qgZ in two hops), booked per kind and side as the ledger
-    books them (qgZ's all-to-alls are the ledger's reduce-scatters)."""
-    from ..estimate.formulas import zeropp_collectives
-
-    stage = spec.state_stage
-    collectives = zeropp_collectives(
-        counts.psi, counts.world, host_size, stage, hpz=spec.option == "hpz",
-        weights_bits=bits["all_gather"] if stage == 3 else None, gradients_bits=bits["reduce_scatter"],
-        block_size=block, dtype_bytes=_element_bytes("all_gather", settings),
-        reduce_dtype_bytes=_element_bytes("reduce_scatter", settings), micro_batches=settings.grad_accum,
-        resident=counts.resident if stage == 3 else 0)
-    out: Split = {"intra": {}, "inter": {}}
-    for c in collectives:
-        kind = "all_gather" if "all-gather" in c.what else "reduce_scatter"
-        out[c.side][kind] = out[c.side].get(kind, 0) + c.nbytes
-    return out
-
-
-def _deepspeed_unavailable(settings: Settings) -> Optional[str]:
-    from .deepspeed import unavailable_reason
-
-    return unavailable_reason()
-
-
-def _build_deepspeed(model, ctx: "WorkerContext", stage: int, zero_extra: Optional[Dict[str, Any]] = None) -> Trainer:
-    from .deepspeed import DeepSpeedTrainer
-
-    extra = dict(zero_extra or {})
-    if extra.get("zero_hpz_partition_size") == "K":  # the hierarchical systems' K (--ranks-per-host / the hosts)
-        extra["zero_hpz_partition_size"] = group_size("hpz", ctx.settings)
-    return DeepSpeedTrainer(model, ctx, stage, extra)
-
-
-def _deepspeed_recipe(settings: Settings):
-    from ..estimate.formulas import recipe
-
-    return recipe(settings.mixed_precision)  # gradients in the compute dtype, as DeepSpeed keeps them
-
-
-def _deepspeed_spec(stage: int, zero_extra: Optional[Dict[str, Any]] = None) -> SystemSpec:
-    """DeepSpeed ZeRO-`stage`; `zero_extra`: its ZeRO++ keys (zero_hpz_partition_size "K": the hierarchical
-    systems' K), such a system is not in `all`."""
-    settings = "torch AdamW, hf_zero's bucket bytes" + (", stage3_param_persistence_threshold=0" if stage == 3 else "")
-    if zero_extra:
-        settings += ", " + ", ".join(f"{k}={v}" for k, v in zero_extra.items())
-
-    def unavailable(s: Settings) -> Optional[str]:
-        reason = _deepspeed_unavailable(s)
-        if reason is None and (zero_extra or {}).get("zero_hpz_partition_size") == "K":
-            reason = resolve_group_size(s.num_processes, s.ranks_per_host)[1]
-        if reason is None and any((zero_extra or {}).get(k) for k in ("zero_quantized_weights",
-                                                                       "zero_quantized_gradients")):
-            from .deepspeed import quantizer_unavailable_reason
-
-            reason = quantizer_unavailable_reason()
-        return reason
-
-    return SystemSpec(
-        build=lambda model, ctx: _build_deepspeed(model, ctx, stage, zero_extra), state_stage=stage,
-        recipe=_deepspeed_recipe, comm_formula=_paper_comm(stage), unavailable=unavailable, jit_extensions=True,
-        in_all=not zero_extra, options=dict(zero_extra) if zero_extra else None,
-        note=f"DeepSpeed ZeRO-{stage} ({settings}); comm counted at torch.distributed (scalars left out)")
-
-
-def _hf_zero_spec(stage: int, option: str = "none", collectives: str = "auto",
-                  options: Optional[Dict[str, Any]] = None) -> SystemSpec:
-    """hf_zero at `stage`; the totals of its comm formula use the option's own K (the split is per run's hosts).
-    `options`: further ZeroConfig options (the quantized systems)."""
-    def build(model, ctx: WorkerContext) -> Trainer:
-        return HfZeroTrainer(model, ctx, stage, option, group_size(option, ctx.settings), collectives, options)
-
-    def comm(counts: Counts, settings: Settings) -> Dict[str, float]:
-        return _merged(_hf_zero_split(counts, settings, stage, option, group_size(option, settings)))
-
-    if collectives != "auto":
-        form = "per-chunk broadcasts / reduces" if collectives == "chunked" else \
-            "all_gather_into_tensor / reduce_scatter_tensor"
-        return SystemSpec(build=build, state_stage=stage, recipe=_hf_zero_recipe, comm_formula=comm, hf_zero=True,
-                          in_all=False, collectives=collectives,
-                          note=f"hf_zero stage {stage}, collectives={collectives!r} ({form})")
-    quantized = ", ".join(f"{k}={v!r}" for k, v in (options or {}).items())
-    if option == "none":
-        if options:
-            return SystemSpec(build=build, state_stage=stage, recipe=_hf_zero_recipe, comm_formula=comm,
-                              hf_zero=True, in_all=False, options=dict(options),
-                              note=f"hf_zero stage {stage}, {quantized}")
-        return SystemSpec(build=build, state_stage=stage, recipe=_hf_zero_recipe, comm_formula=comm, hf_zero=True)
-    field = "shard_group_size" if option == "hsdp" else "hpz_partition_size"
-    return SystemSpec(build=build, state_stage=stage, recipe=_hf_zero_recipe, comm_formula=comm, hf_zero=True,
-                      option=option, in_all=False, options=dict(options) if options else None,
-                      note=f"hf_zero stage {stage}, {field}=K ({RANKS_PER_HOST_FLAG} K)"
-                           + (f", {quantized}" if quantized else ""),
-                      unavailable=lambda s: resolve_group_size(s.num_processes, s.ranks_per_host)[1])
-
-
-# Name -> system. The order is the run order; "ddp" first, it is the reference for the "x DDP" column.
-SYSTEMS: Dict[str, SystemSpec] = {
-    "ddp": SystemSpec(build=lambda model, ctx: DDPTrainer(model, ctx), state_stage=0, recipe=_fp32_recipe,
-                      comm_formula=_paper_comm(0)),
-    "fsdp2": SystemSpec(build=lambda model, ctx: FSDP2Trainer(model, ctx), state_stage=3, recipe=_fp32_recipe,
-                        comm_formula=_paper_comm(3)),
-    "zero_redundancy_optimizer": SystemSpec(
-        build=lambda model, ctx: ZeroRedundancyTrainer(model, ctx), state_stage=1, recipe=_fp32_recipe,
-        comm_formula=_zero_redundancy_comm, note="comm formula: DDP all-reduce 2Ψ + parameter broadcast Ψ"),
-    **{f"zero{k}": _hf_zero_spec(k) for k in range(4)},
-    # hf_zero's hierarchical options, over groups of --ranks-per-host ranks (not in `all`).
-    **{f"zero{k}-hsdp": _hf_zero_spec(k, "hsdp") for k in range(1, 4)},
-    "zero3-hpz": _hf_zero_spec(3, "hpz"),
-    # ZeRO++'s quantized communication (not in `all`; `--systems zeropp` runs them): qwZ, the int8 weight
-    # all-gather, alone and under hpZ; hpZ + qwZ + qgZ (int4 gradient reduce-scatter), the paper's combination;
-    # qgZ alone at stage 2.
-    "zero3-qwz": _hf_zero_spec(3, options={"quantized_weights": "int8"}),
-    "zero3-hpz-qwz": _hf_zero_spec(3, "hpz", options={"quantized_weights": "int8"}),
-    "zero3-hpz-qwz-qgz": _hf_zero_spec(3, "hpz", options={"quantized_weights": "int8",
-                                                          "quantized_gradients": "int4"}),
-    "zero2-qgz": _hf_zero_spec(2, options={"quantized_gradients": "int4"}),
-    # hf_zero's two forms of the collectives, each stage's side by side (not in `all`).
-    **{f"zero{k}-{form}": _hf_zero_spec(k, collectives=form) for k in range(1, 4) for form in ("chunked", "flat")},
-    # Peers from optional extras (never dependencies): a builder returns a Trainer; `unavailable` says when the
-    # extra is missing, and the row is skipped with that reason.
-    **{f"deepspeed_zero{k}": _deepspeed_spec(k) for k in range(1, 4)},
-    # DeepSpeed's ZeRO++ (not in `all`): hpZ over K ranks, and with its quantized weights and gradients too.
-    "deepspeed_zero3-hpz": _deepspeed_spec(3, {"zero_hpz_partition_size": "K"}),
-    "deepspeed_zero3-hpz-qwz-qgz": _deepspeed_spec(3, {"zero_hpz_partition_size": "K", "zero_quantized_weights": True,
-                                                       "zero_quantized_gradients": True}),
-}
 
 
 # ====================================================================================================== worker
