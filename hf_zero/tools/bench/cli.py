@@ -179,6 +179,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run each system with torch.compile(BACKEND) applied after it wraps or shards the "
                              "model (default backend inductor; aot_eager compiles faster): a '<system>+compile' row "
                              "beside each eager one, with its graph breaks; the first (warmup) step compiles")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="run the systems side by side in one process group, interleaved step by step (each "
+                             "round one step of every system, between barriers, in a rotating order): ms per step "
+                             "and the median per-round ratio to DDP, robust to the machine's drift between "
+                             "sequential runs. Every system's model is in memory at once (small models); not with "
+                             "DeepSpeed's systems, --compile, --hosts or --profile (lockstep.py)")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first (default 1)")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank per micro-batch (default 2)")
@@ -354,6 +360,32 @@ def _run_on_hosts(systems: List[str], settings: Settings, rates: List[Optional[s
     return rows
 
 
+def _run_lockstep(args: argparse.Namespace, systems: List[str], settings: Settings) -> int:
+    """--lockstep: the systems interleaved in one process group (lockstep.py); those that cannot be, and those
+    unavailable here, get a skipped row with the reason."""
+    from .lockstep import format_lockstep_table, run_lockstep, unsupported
+
+    skipped, runnable = [], []
+    for name in systems:
+        spec = SYSTEMS[name]
+        reason = unsupported(name) or (spec.unavailable(settings) if spec.unavailable is not None else None)
+        if reason:
+            skipped.append(skipped_row(name, reason))
+        else:
+            runnable.append(name)
+    log(f"lockstep: {', '.join(runnable)} interleaved, {settings.warmup} warmup + {settings.steps} timed rounds")
+    rows = run_lockstep(runnable, settings) + skipped
+    print(format_lockstep_table(rows), file=sys.stdout if args.json != "-" else sys.stderr, flush=True)
+    if args.json:
+        write_json_line(args.json, {**asdict(settings), "systems": systems, "lockstep": True,
+                                     "tokens_per_step": settings.tokens_per_step}, rows)
+    failed = [r["system"] for r in rows if r["status"] not in ("ok", "skipped") and r.get("hf_zero")]
+    if failed:
+        log(f"hf_zero system(s) failed: {', '.join(failed)}")
+        return 1
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """`hf-zero bench`: run every requested system, print the table, write --json and --plot; the exit code is
     1 when an hf_zero system failed, 2 on bad arguments, else 0 (skipped rows and failed peers do not count).
@@ -391,6 +423,13 @@ def run(args: argparse.Namespace) -> int:
             from .plot import check_matplotlib
 
             check_matplotlib()  # before minutes of training, not after
+        if getattr(args, "lockstep", False):
+            refused = [flag for flag, given in (("--hosts", args.hosts > 1), ("--compile", bool(args.compile)),
+                                                ("--profile", bool(args.profile)), ("--plot", bool(args.plot)))
+                       if given]
+            if refused:
+                raise ValueError(f"--lockstep runs every system in one process group here: not with "
+                                 f"{', '.join(refused)}")
         rates = _check_hosts(args)
     except (ValueError, OSError, ImportError) as exc:
         print(f"hf-zero bench: error: {exc}", file=sys.stderr)
@@ -416,6 +455,9 @@ def run(args: argparse.Namespace) -> int:
          f"batch {settings.batch_size} x seq {settings.seq_len} x accum {settings.grad_accum} per rank, "
          f"{settings.warmup} warmup + {settings.steps} timed steps, mixed precision {settings.mixed_precision}, "
          f"{settings.threads_per_rank} threads per rank")
+
+    if getattr(args, "lockstep", False):
+        return _run_lockstep(args, systems, settings)
 
     links: List[Dict[str, Any]] = []
     with extensions_dir(any(SYSTEMS[base_system(name)[0]].jit_extensions for name in systems)):

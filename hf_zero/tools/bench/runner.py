@@ -50,12 +50,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -63,7 +61,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from .base import Settings, WorkerContext, init_worker_group
 from .formulas import (RANKS_PER_HOST_FLAG, formula_bytes_for_hosts, formula_split_for_hosts, group_size,
                        resolve_group_size)
-from .spawn import error_summary, first_error, spawn, worker_done, worker_failed
+from .spawn import error_summary, run_group, worker_done, worker_failed
 from .spec import Counts, Split, SystemSpec
 from .systems import COMPILED, SYSTEMS, base_system
 
@@ -405,33 +403,12 @@ def train_worker(rank: int, world_size: int, port: int, system: str, settings: S
 # ====================================================================================================== parent
 def run_system(system: str, settings: Settings) -> Dict[str, Any]:
     """Spawn `settings.num_processes` workers for one system and return rank 0's row (or an error row)."""
-    import torch.distributed as dist
-
     world = settings.num_processes
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=settings.timeout_s))
-    out_dir = tempfile.mkdtemp(prefix=f"hfz_bench_{system}_")
-    port = store.port
-    procs, timed_out = spawn(train_worker, lambda rank: (rank, world, port, system, settings, out_dir), world,
-                             settings.timeout_s, settings.threads_per_rank)
-    del store
-
-    result_path = os.path.join(out_dir, "result.json")
-    error = first_error(out_dir, world)
-    row: Dict[str, Any]
-    if error is None and os.path.exists(result_path):
-        with open(result_path) as f:
-            row = json.load(f)
-    else:
-        if error is None:
-            codes = [p.exitcode for p in procs]
-            error = (f"timed out after {settings.timeout_s:.0f}s" if timed_out
-                     else f"no result; worker exit codes {codes}")
+    row, error = run_group(train_worker, lambda rank, port, out_dir: (rank, world, port, system, settings, out_dir),
+                           world, settings.timeout_s, settings.threads_per_rank, f"hfz_bench_{system}_")
+    if row is None:
         row = {"system": system, "status": "error: " + error_summary(error), "error": error,
                "hf_zero": SYSTEMS[base_system(system)[0]].hf_zero}
-    for name in os.listdir(out_dir):
-        os.remove(os.path.join(out_dir, name))
-    os.rmdir(out_dir)
     return row
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import multiprocessing.connection
 import os
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -86,6 +88,34 @@ def error_summary(error: str) -> str:
     rank = error.split(":", 1)[0] if error.startswith("rank ") else ""
     text = f"{rank}: {lines[-1]}" if rank and lines else (lines[-1] if lines else error)
     return text if len(text) <= 160 else text[:157] + "..."
+
+
+def run_group(target: Callable, args_of: Callable[[int, str, str], tuple], world: int, timeout_s: float,
+              threads: int, prefix: str) -> Tuple[Optional[Any], Optional[str]]:
+    """Host a store on a free port, spawn `world` workers target(*args_of(rank, port, out_dir)) and wait for them
+    (`spawn`); returns (rank 0's result from `worker_done`, None) or (None, the first error: a worker's traceback,
+    the timeout, or the exit codes). The workers' folder (`prefix` names it) is removed."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    out_dir = tempfile.mkdtemp(prefix=prefix)
+    port = store.port
+    procs, timed_out = spawn(target, lambda rank: args_of(rank, port, out_dir), world, timeout_s, threads)
+    del store
+    result_path = os.path.join(out_dir, "result.json")
+    error = first_error(out_dir, world)
+    result = None
+    if error is None and os.path.exists(result_path):
+        with open(result_path) as f:
+            result = json.load(f)
+    elif error is None:
+        error = (f"timed out after {timeout_s:.0f}s" if timed_out
+                 else f"no result; worker exit codes {[p.exitcode for p in procs]}")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return result, error
 
 
 def worker_done(rank: int, out_dir: str, result: Any) -> None:
