@@ -184,7 +184,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "round one step of every system, between barriers, in a rotating order): ms per step "
                              "and the median per-round ratio to DDP, robust to the machine's drift between "
                              "sequential runs. Every system's model is in memory at once (small models); not with "
-                             "DeepSpeed's systems, --compile, --hosts or --profile (lockstep.py)")
+                             "DeepSpeed's systems, --compile, --hosts, --profile or --plot (lockstep.py)")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first (default 1)")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank per micro-batch (default 2)")
