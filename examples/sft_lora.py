@@ -39,6 +39,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--learning_rate", type=float, default=None)
     p.add_argument("--output_dir", default="runs/sft_lora")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--eval_steps", type=int, default=None, help="evaluate every N steps (default: at the end only)")
+    p.add_argument("--quantized_frozen_weights", choices=["none", "int8"], default="none",
+                   help="keep the frozen base's stage-3 shards as int8 codes + scales and all-gather the codes")
     args = p.parse_args(argv)
     defaults = dict(max_steps=8, block_size=64, learning_rate=5e-3) if args.tiny else dict(
         max_steps=12, block_size=128, learning_rate=1e-3)
@@ -77,12 +80,13 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                     per_device_eval_batch_size=8, gradient_accumulation_steps=2, learning_rate=args.learning_rate,
                     warmup_steps=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
                     # evaluated right after prepare() read the weights (a meta model cannot be evaluated before)
-                    eval_strategy="steps", eval_steps=args.max_steps, eval_on_start=True,
+                    eval_strategy="steps", eval_steps=args.eval_steps or args.max_steps, eval_on_start=True,
                     seed=args.seed, disable_tqdm=not state.is_main_process, max_length=args.block_size,
                     dataloader_drop_last=True)
     trainer = hf_zero.zero_trainer(SFTTrainer)(
         model=model, args=sft, train_dataset=train_set, eval_dataset=eval_set, processing_class=tokenizer,
-        peft_config=lora, zero_plugin=hf_zero.ZeroPlugin(stage=args.zero_stage))
+        peft_config=lora, zero_plugin=hf_zero.ZeroPlugin(stage=args.zero_stage,
+                                                         quantized_frozen_weights=args.quantized_frozen_weights))
     trainer.train()
     evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     before, after = evals[0], evals[-1]
@@ -115,7 +119,11 @@ def main(argv: Optional[List[str]] = None) -> Dict:
             logits_adapter = reloaded(probe).logits
         merged_err = float((logits_merged - logits_adapter).abs().max())
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        # with int8 frozen weights the merged export holds the base the run trained against (dequantized), so its
+        # difference to the adapter on the original base is that quantization's error, not a merge error
         summary = {"zero_stage": args.zero_stage, "num_processes": state.num_processes, "losses": losses,
+                   "quantized_frozen_weights": args.quantized_frozen_weights,
+                   "eval_losses": {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h},
                    "eval_loss_before": before, "eval_loss_after": after, "perplexity_before": math.exp(before),
                    "perplexity_after": math.exp(after), "adapter_files": sorted(os.listdir(adapter_dir)),
                    "adapter_reload_equal": adapter_equal, "merged_logits_max_abs_diff": merged_err,
@@ -128,7 +136,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
             f"eval perplexity: {math.exp(before):.2f} before, {math.exp(after):.2f} after",
             f"adapter ({summary['trainable_params']:,} parameters) saved in PEFT's layout to {adapter_dir}; "
             f"PeftModel.from_pretrained gives the trained tensors: {adapter_equal}",
-            f"merged export in {merged_dir}: from_pretrained logits vs the adapter's, max |diff| {merged_err:.2e}",
+            f"merged export in {merged_dir}: from_pretrained logits vs the adapter's, max |diff| {merged_err:.2e}"
+            + (" (the int8 frozen base's quantization error)" if args.quantized_frozen_weights != "none" else ""),
         ]), flush=True)
     state.wait_for_everyone()
     return summary
