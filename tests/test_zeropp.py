@@ -4,8 +4,13 @@ reduce-scatters; engine/collectives/quantized.py) at world sizes 2, 3 and 4.
 - Training stays within the bound README's accuracy table states of plain single-process training (the recipe of
   test_engine_equivalence: 4 AdamW steps, accumulation 3, clipping): per-step losses within BOUNDS, and the
   quantization is really on (the losses are not the exact ones).
+- What the ranks compute with is exactly the stated quantizer: after a qwZ all-gather, trainable weights (int8,
+  int4; fp32 and bf16 compute copies) and quantized frozen weights equal, bit for bit, each rank's shard of the
+  padded flat group quantized and dequantized by test_quantize's plain-PyTorch reference (blocks of 256 within the
+  shard), with the flat layout counted by tests/_flat_layout.py, not by hf_zero's planner.
 - The ledger books the paper's elements as always and, under the quantized strategy, the bytes the formula gives:
-  W x quantized_nbytes(P / W) per all-gather / reduce-scatter of a P-element flat group over W ranks.
+  W x quantized_nbytes(P / W) per all-gather / reduce-scatter of a P-element flat group over W ranks (P and the
+  memory_stats byte counts below from tests/_flat_layout.py).
 - Quantization never touches what is saved: a checkpoint written by a quantized run resumes into a quantized and into
   an unquantized engine with bit-identical master weights, and full_state_dict() is the fp32 master (the initial
   weights exactly, before any step).
@@ -68,6 +73,7 @@ def scenarios_for(world_size):
     if world_size == 3:
         sc.append(("checkpoint", checkpoint_round_trip, {}))
         sc.append(("frozen", frozen_values, {}))
+        sc.append(("trainable", trainable_values, {}))
     if world_size == 4:
         sc.append(("two-hops", two_hop_reduce, {}))
     return sc
@@ -104,37 +110,30 @@ def test_quantized_training_stays_within_the_bound_of_plain_training(dist_result
 
 
 def _expected_bytes(world_size, kw):
-    """{strategy: {kind: wire bytes per step}} from the plan: qwZ gathers every stage-3 unit's groups in each
-    micro-batch's forward and the non-root ones again in its backward (hpZ: the backward's gathers inside the host,
-    exact); qgZ reduce-scatters every trainable group once per micro-batch."""
-    from hf_zero import ZeroConfig
-    from hf_zero.engine.planning import plan_model
+    """{strategy: {kind: wire bytes per step}} from the flat groups tests/_flat_layout.py counts (not hf_zero's
+    planner): qwZ gathers every stage-3 unit's groups in each micro-batch's forward and the non-root ones again in
+    its backward (hpZ: the backward's gathers inside the host, exact); qgZ reduce-scatters every trainable group once
+    per micro-batch."""
+    from _flat_layout import layout
 
     opts = kw["zero_options"]
     world_size = opts.get("shard_group_size") or world_size  # HSDP: the partition group of K quantizes
-    plan = plan_model(models.make_model(kw["kind"], kw.get("variant", "full")), world_size,
-                      ZeroConfig(stage=kw["stage"], **{k: v for k, v in opts.items() if k != "shard_group_size"}))
+    groups = layout(models.make_model(kw["kind"], kw.get("variant", "full")), world_size)
     block, out = 256, {}
     hpz = opts.get("hpz_partition_size")
+
+    def gathered(bits, keep):  # the root unit (0) stays gathered into its backward
+        return sum((1 if (g.unit == 0 or hpz) else 2) * world_size * quantized_nbytes(g.shard, block, bits)
+                   for g in groups if keep(g))
+
     if opts.get("quantized_frozen_weights"):  # frozen groups all-gather their int8 codes; nothing else quantized
-        per_gather = {g.index: world_size * quantized_nbytes(g.padded_numel // world_size, block, 8)
-                      for g in plan.groups if not g.trainable}
-        total = sum((1 if unit.index == 0 else 2) * sum(per_gather.get(i, 0) for i in unit.groups)
-                    for unit in plan.units)
-        out["quantized-int8"] = {"all_gather": ACCUM * total}
+        out["quantized-int8"] = {"all_gather": ACCUM * gathered(8, lambda g: not g.trainable)}
     if opts.get("quantized_weights"):
         bits = int(opts["quantized_weights"][3:])
-        per_gather = {g.index: world_size * quantized_nbytes(g.padded_numel // world_size, block, bits)
-                      for g in plan.groups}
-        total = 0
-        for unit in plan.units:
-            passes = 1 if (unit.index == 0 or hpz) else 2  # the root stays gathered into its backward
-            total += passes * sum(per_gather[i] for i in unit.groups)
-        out[f"quantized-int{bits}"] = {"all_gather": ACCUM * total}
+        out[f"quantized-int{bits}"] = {"all_gather": ACCUM * gathered(bits, lambda g: True)}
     if opts.get("quantized_gradients"):
         bits = int(opts["quantized_gradients"][3:])
-        rs = sum(world_size * quantized_nbytes(g.padded_numel // world_size, block, bits)
-                 for g in plan.groups if g.trainable)
+        rs = sum(world_size * quantized_nbytes(g.shard, block, bits) for g in groups if g.trainable)
         out.setdefault(f"quantized-int{bits}", {})["reduce_scatter"] = ACCUM * rs
     return out
 
@@ -283,18 +282,16 @@ def test_qgz_in_two_hops_sums_host_sums_of_quantized_chunks(dist_results):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_quantized_frozen_shards_hold_codes_and_scales_only(dist_results, world_size):
     """memory_stats' frozen parameter bytes are the int8 codes of the rank's frozen shards plus one fp32 scale per
-    block (4x less than the fp32 shard, plus the scales), counted from the plan."""
-    from hf_zero import ZeroConfig
-    from hf_zero.engine.planning import plan_model
+    block (4x less than the fp32 shard, plus the scales), counted by tests/_flat_layout.py."""
+    from _flat_layout import layout
 
-    plan = plan_model(models.make_model("llama", "lora"), world_size, ZeroConfig(stage=3, **FROZEN))
-    frozen = [g for g in plan.groups if not g.trainable]
+    frozen = [g for g in layout(models.make_model("llama", "lora"), world_size) if not g.trainable]
     assert frozen and all(g.dtype == torch.float32 for g in frozen)
-    want = sum(quantized_nbytes(g.shard_numel, 256, 8) for g in frozen)
+    want = sum(quantized_nbytes(g.shard, 256, 8) for g in frozen)
     for r, res in enumerate(dist_results(world_size, "llama-lora-s3-frozen")):
         stats = res["memory"]["stats"]
         assert stats["params_frozen"] == want, (r, stats["params_frozen"], want)
-        assert stats["params_frozen"] < sum(4 * g.shard_numel for g in frozen) / 3.9
+        assert stats["params_frozen"] < sum(4 * g.shard for g in frozen) / 3.9
 
 
 def frozen_values(rank, world_size):
@@ -324,30 +321,39 @@ def frozen_values(rank, world_size):
     return out
 
 
-def test_frozen_weights_are_each_ranks_shard_quantized_and_survive_a_checkpoint(dist_results):
-    """Each frozen flat group's padded values (the plan's layout) cut into the W ranks' shards, each shard
-    quantized and dequantized by the plain-PyTorch reference (blocks of 256 within the shard): what every rank
-    computes with, what full_state_dict gives, and what a checkpoint restores, bit for bit."""
+def quantized_reference(model, values, world_size, bits, trainable, compute_dtype=None, block=256):
+    """{name: what a rank holds after a quantized all-gather} for every flat group of the given kind, from the plain
+    PyTorch reference of test_quantize: the group's values laid out flat as tests/_flat_layout.py counts it (never
+    hf_zero's planner), zero padding, cut into the W ranks' shards, each shard cast to the compute dtype, quantized
+    and dequantized on its own (blocks of `block` within the shard), the result in the compute dtype. `model`
+    gives the layout, `values` {name: fp32 value} the numbers (the master after training)."""
     from test_quantize import ref_round_trip
 
-    from hf_zero import ZeroConfig
-    from hf_zero.engine.planning import plan_model
+    from _flat_layout import layout
 
+    want = {}
+    for g in layout(model, world_size, compute_dtype):
+        if g.trainable != trainable:
+            continue
+        flat = torch.zeros(g.padded)
+        for name, shape, offset, numel in g.slots:
+            flat[offset:offset + numel] = values[name].reshape(-1)
+        dtype = compute_dtype or torch.float32
+        seen = torch.cat([ref_round_trip(flat[r * g.shard:(r + 1) * g.shard].to(dtype), block, bits).to(dtype)
+                          for r in range(world_size)])
+        for name, shape, offset, numel in g.slots:
+            want[name] = seen[offset:offset + numel].view(shape)
+    return want
+
+
+def test_frozen_weights_are_each_ranks_shard_quantized_and_survive_a_checkpoint(dist_results):
+    """Each frozen flat group's padded values cut into the W ranks' shards, each shard quantized and dequantized by
+    the plain-PyTorch reference (blocks of 256 within the shard): what every rank computes with, what
+    full_state_dict gives, and what a checkpoint restores, bit for bit."""
     world_size = 3
     model = models.make_model("llama", "lora")
-    params = dict(model.named_parameters())
-    plan = plan_model(model, world_size, ZeroConfig(stage=3, **FROZEN))
-    want = {}
-    for g in plan.groups:
-        if g.trainable:
-            continue
-        flat = torch.zeros(g.padded_numel)
-        for slot in g.slots:
-            flat[slot.offset:slot.offset + slot.numel] = params[slot.name].detach().reshape(-1)
-        shard = g.padded_numel // world_size
-        values = torch.cat([ref_round_trip(flat[r * shard:(r + 1) * shard], 256, 8) for r in range(world_size)])
-        for slot in g.slots:
-            want[slot.name] = values[slot.offset:slot.offset + slot.numel].view(slot.shape)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    want = quantized_reference(model, params, world_size, 8, trainable=False)
     assert want
     for r, res in enumerate(dist_results(world_size, "frozen")):
         for key in ("gathered", "resumed"):
@@ -359,15 +365,81 @@ def test_frozen_weights_are_each_ranks_shard_quantized_and_survive_a_checkpoint(
                 assert torch.equal(res["state"][name], value), name
 
 
+# ------------------------------------------------------------------------------------------------ trainable weights
+# (model kind, qwZ code width, mixed precision): int8 and int4 on fp32 weights, int8 on bf16 compute copies
+TRAINABLE_CASES = (("llama", 8, "no"), ("gpt2", 4, "no"), ("llama", 8, "bf16"))
+
+
+def trainable_values(rank, world_size):
+    """Per TRAINABLE_CASES entry: a stage-3 engine with quantized_weights trains one AdamW step (so the shards
+    are the updated master's, not the initial weights), then reports the fp32 master (full_state_dict) and the
+    trainable weights the rank sees after its all-gathers: inside the next forward (recorded by pre-hooks on every
+    module that holds parameters, which run after the unit's gather hook) and inside gathered_parameters()."""
+    from hf_zero import ZeroConfig, shard_model
+
+    out = {}
+    for kind, bits, precision in TRAINABLE_CASES:
+        model = models.make_model(kind)
+        engine = shard_model(model, models.make_optimizer(model),
+                             ZeroConfig(stage=3, mixed_precision=precision, quantized_weights=f"int{bits}"))
+        canonical = {id(p): n for n, p in model.named_parameters()}
+        (mb,) = models.make_batches(1, 1)[0]
+        x = models.rank_slice(mb, rank, world_size)
+        engine.backward(engine.model(input_ids=x, labels=x).loss)
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+        res = {"master": engine.full_state_dict(), "forward": {}}
+
+        def record(module, _inputs):
+            for p in module.parameters(recurse=False):
+                res["forward"].setdefault(canonical[id(p)], p.detach().clone())
+
+        hooks = [m.register_forward_pre_hook(record) for m in model.modules()
+                 if any(True for _ in m.parameters(recurse=False))]
+        with torch.no_grad():
+            engine.model(input_ids=x, labels=x)
+        for h in hooks:
+            h.remove()
+        with engine.gathered_parameters():
+            res["gathered"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        engine.close()
+        out[(kind, bits, precision)] = res
+    return out
+
+
+@pytest.mark.parametrize("kind,bits,precision", TRAINABLE_CASES)
+def test_trainable_weights_are_each_ranks_shard_quantized(dist_results, kind, bits, precision):
+    """qwZ on trainable weights, bit for bit: after one step, every trainable weight a rank computes with (in the
+    forward, and inside gathered_parameters()) is its flat group's padded master values cut into the W ranks'
+    shards, each shard cast to the compute dtype and quantized and dequantized by the plain-PyTorch reference
+    (blocks of 256 within the shard, int8 or int4), in the compute dtype. The loss band above says how much this
+    costs; this says it is exactly the quantizer the docs state, applied where they state it."""
+    world_size = 3
+    ranks = [res[(kind, bits, precision)] for res in dist_results(world_size, "trainable")]
+    master = ranks[0]["master"]
+    model = models.make_model(kind)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    compute = torch.bfloat16 if precision == "bf16" else None
+    want = quantized_reference(model, master, world_size, bits, trainable=True, compute_dtype=compute)
+    assert set(want) == names
+    changed = [n for n in names if not torch.equal(want[n].float(), master[n])]
+    assert changed, "the reference equals the master: nothing was quantized"
+    for r, res in enumerate(ranks):
+        for key in ("forward", "gathered"):
+            assert set(res[key]) == names, (r, key, set(res[key]) ^ names)
+            for name in sorted(names):
+                got = res[key][name]
+                assert got.dtype == want[name].dtype and torch.equal(got, want[name]), (
+                    r, key, name, got.dtype, (got.float() - want[name].float()).abs().max().item())
+
+
 def test_error_feedback_residuals_are_counted_in_memory_stats(dist_results):
     """qgZ's error feedback keeps an fp32 residual of every trainable group's whole bucket on every rank (the cost
     README gives for keeping it off by default): memory_stats()["error_feedback"] = 4 bytes x the padded elements
-    of the trainable groups, counted from the plan, and it is part of the buffers."""
-    from hf_zero import ZeroConfig
-    from hf_zero.engine.planning import plan_model
+    of the trainable groups, counted by tests/_flat_layout.py, and it is part of the buffers."""
+    from _flat_layout import layout
 
-    plan = plan_model(models.make_model("llama"), 4, ZeroConfig(stage=2))
-    want = sum(4 * g.padded_numel for g in plan.groups if g.trainable)
+    want = sum(4 * g.padded for g in layout(models.make_model("llama"), 4) if g.trainable)
     for r, res in enumerate(dist_results(4, "llama-s2-qgz-feedback")):
         stats = res["memory"]["stats"]
         assert stats["error_feedback"] == want, (r, stats["error_feedback"], want)
