@@ -4,7 +4,8 @@ reason when it is not; --plot writes the PNG. The hierarchical systems (zero3-hp
 --ranks-per-host 2 and match their formulas, all of it intra-host on this one machine; a bad K skips their rows.
 
 Ψ is counted here from the tiny preset's shapes (written out below, not read from hf_zero), so the check does not
-trust the numbers the engine reports about itself.
+trust the numbers the engine reports about itself; so are the model-state bytes each row measures, exactly
+(hf_zero's flat groups and their padding by tests/_flat_layout.py, DDP's and FSDP2's tensors from the shapes).
 """
 import importlib.util
 import json
@@ -114,15 +115,42 @@ def test_every_system_has_a_row(bench):
             assert row["loss_last_step"] == pytest.approx(rows["ddp"]["loss_last_step"], rel=1e-4), name
 
 
+def _expected_state_bytes(system):
+    """Model-state bytes of the rank holding the most, counted here (fp32 AdamW: parameters, gradients, two states
+    per element, and torch's 4-byte `step` per parameter tensor): hf_zero stage k over its flat groups padded to
+    the world size (tests/_flat_layout.py, from the preset's shapes, not hf_zero's planner); DDP whole on every
+    rank; FSDP2 each parameter's dim-0 chunk of ceil(rows / WORLD) rows."""
+    from _flat_layout import worst_rank_bytes
+
+    model = _tiny_model()
+    params = list(model.parameters())  # tied wte / lm_head once
+    if system.startswith("zero"):
+        return worst_rank_bytes(model, WORLD, int(system[4:]))["model_states"]
+    if system == "ddp":
+        return sum(16 * p.numel() + 4 for p in params)
+
+    def local(p, rank):
+        rows = -(-p.shape[0] // WORLD)
+        return max(0, min(p.shape[0], (rank + 1) * rows) - rank * rows) * (p.numel() // p.shape[0])
+
+    return max(sum(16 * local(p, r) + 4 for p in params) for r in range(WORLD))
+
+
 def test_state_bytes_match_the_formula(bench):
-    """Measured model-state bytes are the formula's plus padding and AdamW's scalar `step` tensors."""
+    """Measured model-state bytes are the exact count made here from the preset's shapes (padding and AdamW's
+    `step` tensors included), and the bench's formula column is the paper's fp32 formula over Ψ."""
     data, _, _ = bench
-    psi, _, n_tensors = _counts()
+    psi, _, _ = _counts()
+    paper = {0: 16 * psi, 1: 8 * psi + 8 * psi / WORLD, 2: 4 * psi + 12 * psi / WORLD, 3: 16 * psi / WORLD}
+    checked = set()
     for row in data["rows"]:
         if row["system"] not in HF_ZERO_SYSTEMS + ("ddp", "fsdp2"):
             continue
-        slack = 16 * n_tensors * (WORLD - 1) + 8 * n_tensors * WORLD  # padding x 16 B, plus `step` scalars
-        assert 0 <= row["state_bytes_measured"] - row["state_bytes_formula"] <= slack, row
+        assert row["state_bytes_measured"] == _expected_state_bytes(row["system"]), row
+        stage = {"ddp": 0, "fsdp2": 3}.get(row["system"], row["state_formula"]["stage"])
+        assert row["state_bytes_formula"] == pytest.approx(paper[stage], rel=1e-12), row
+        checked.add(row["system"])
+    assert checked == set(HF_ZERO_SYSTEMS + ("ddp", "fsdp2"))
 
 
 def test_hf_zero_comm_matches_the_formula(bench):

@@ -1,9 +1,11 @@
 """hf-zero estimate: the paper's table in formula mode, and plan mode byte for byte against engine.memory_stats().
 
 Plan mode is checked on real gloo ranks (N = 1, 2, 3, 4; one spawn per world size): after one optimizer step of
-AdamW, every rank's memory_stats() params / grads / master / optimizer_states must equal estimate_plan(...) for that
-rank exactly, for the tiny GPT-2 (tied) and Llama at stages 0-3 in fp32, plus Llama in bf16 with
-grad_accum_dtype="compute".
+AdamW, every rank's memory_stats() params / grads / master / optimizer_states and estimate_plan(...) for that rank
+must both equal the count tests/_flat_layout.py makes from first principles (the paper's per-stage bytes over the
+model's flat groups, each padded to a multiple of N, counted from named_parameters and the decoder layers, never
+from hf_zero's plan_model), for the tiny GPT-2 (tied) and Llama at stages 0-3 in fp32, plus Llama in bf16 with
+grad_accum_dtype="compute". Every plan-mode expectation below takes its sizes from that count.
 """
 import inspect
 import json
@@ -22,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 import models
 from _dist import DistResults
+from _flat_layout import layout, state_bytes, worst_rank_bytes
 from hf_zero.config import ZeroConfig
 from hf_zero.tools.estimate.activations import (ActivationShape, activation_bytes, activation_saved_tensors,
                                          activation_shape, layer_activation_bytes, paper_layer_bytes)
@@ -134,19 +137,25 @@ def dist_results():
     return DistResults(scenarios_for)
 
 
+def _precision(cfg):
+    return {"mixed_precision": cfg.mixed_precision, "grad_accum_dtype": cfg.grad_accum_dtype}
+
+
 def _check(dist_results, world_size, name, kind, cfg):
     measured = dist_results(world_size, name)
     with torch.device("meta"):
-        model = models.make_model(kind)  # the planner needs shapes only
+        model = models.make_model(kind)  # the planner and the count need shapes only
     for rank, stats in enumerate(measured):
-        want = estimate_plan(model, world_size, cfg, rank=rank)
-        assert {k: want[k] for k in KEYS} == {k: stats[k] for k in KEYS}, (
-            f"{name} N={world_size} rank {rank}: estimate {want} vs memory_stats {stats}")
-        assert want["model_states"] == stats["model_states"]
-    plan = plan_model(model, world_size, cfg)
-    worst = max_over_ranks(plan, cfg)
-    assert worst["model_states"] == max(s["model_states"] for s in measured)
-    assert upper_bound_bytes(plan, cfg) >= worst["model_states"]
+        want = state_bytes(model, world_size, cfg.stage, rank, **_precision(cfg))  # independent of hf_zero
+        got = estimate_plan(model, world_size, cfg, rank=rank)
+        for who, values in (("memory_stats", stats), ("estimate_plan", got)):
+            assert {k: values[k] for k in KEYS + ("model_states",)} == want, (
+                f"{name} N={world_size} rank {rank}: {who} {values} vs the count {want}")
+    worst = worst_rank_bytes(model, world_size, cfg.stage, **_precision(cfg))["model_states"]
+    assert worst == max(s["model_states"] for s in measured)
+    plan = plan_model(model, world_size, cfg)  # the estimator's own entry points over its plan
+    assert max_over_ranks(plan, cfg)["model_states"] == worst
+    assert upper_bound_bytes(plan, cfg) >= worst
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -167,8 +176,8 @@ def test_estimate_plan_accepts_a_config_path(tmp_path):
     cfg.save_pretrained(tmp_path)
     zc = ZeroConfig(stage=3)
     got = estimate_plan(str(tmp_path), 3, zc)
-    assert got == plan_bytes(plan_model(models.make_model("llama"), 3, zc), zc, 0)
-    assert set(got) == {"params", "grads", "master", "optimizer_states", "model_states"}
+    assert got == state_bytes(models.make_model("llama"), 3, 3, 0)
+    assert got == plan_bytes(plan_model(models.make_model("llama"), 3, zc), zc, 0)  # and it is the plan's
 
 
 # ------------------------------------------------------------------------------------------------------ multiple hosts
@@ -326,15 +335,16 @@ def test_hosts_need_num_processes(capsys):
     assert "--ranks-per-host K needs --num-processes N" in capsys.readouterr().err
 
 
-def _padded(plan, keep=lambda g: True):
-    return sum(g.padded_numel for g in plan.groups if keep(g))
+def _padded(groups, keep=lambda g: True):
+    return sum(g.padded for g in groups if keep(g))
 
 
 @pytest.mark.parametrize("variant", ["full", "lora"])
 def test_hosts_plan_mode_is_the_planners_layout(variant):
-    """Plan mode: HSDP's memory is plan_model over the K ranks of a host (its K-way padding), worst rank; hpZ's is
+    """Plan mode: HSDP's memory is the stage's over the K ranks of a host (its K-way padding), worst rank; hpZ's is
     stage 3 over N plus 1/K of every non-root unit's padded groups in the compute dtype; the traffic counts the
-    padded flat buffers, frozen ones (LoRA's base weights) gathered at stage 3 and never reduced."""
+    padded flat buffers, frozen ones (LoRA's base weights) gathered at stage 3 and never reduced. Sizes and bytes
+    from tests/_flat_layout.py."""
     from hf_zero.tools.estimate.plan import Planner, hierarchical_plan_report
 
     model = models.make_model("llama", variant)  # 44,450 elements: a K = 3 partition pads
@@ -342,23 +352,25 @@ def test_hosts_plan_mode_is_the_planners_layout(variant):
     base = ZeroConfig(mixed_precision="bf16")
     report = hierarchical_plan_report(Planner(model, base), n, k)
     for (stage, option), row in _rows({"hierarchical": report}).items():
-        cfg = ZeroConfig(stage=stage, mixed_precision="bf16")
-        plan = plan_model(model, k if option == "hsdp" else n, cfg)
-        worst = max_over_ranks(plan, cfg)["model_states"]
-        t, f = _padded(plan, lambda g: g.trainable), _padded(plan, lambda g: not g.trainable)
-        root = sum(plan.groups[i].padded_numel for i in plan.units[0].groups)
+        p = k if option == "hsdp" else n
+        groups = layout(model, 1 if stage == 0 else p, torch.bfloat16)
+        worst = worst_rank_bytes(model, p, stage, mixed_precision="bf16")["model_states"]
+        t, f = _padded(groups, lambda g: g.trainable), _padded(groups, lambda g: not g.trainable)
+        root = _padded(groups, lambda g: g.unit == 0)
         if option == "hsdp":
-            assert plan.padding > 0 or variant == "lora"
-            if "partition_size" in inspect.signature(plan_model).parameters:  # the engine's own HSDP layout
-                worst_n = max_over_ranks(plan_model(model, n, cfg, partition_size=k), cfg)["model_states"]
-                assert worst_n == worst
+            assert sum(g.padded - g.numel for g in groups) > 0 or variant == "lora"
+            # the engine's own HSDP layout (N ranks, partitioned K ways) holds the same bytes
+            assert worst_rank_bytes(model, n, stage, mixed_precision="bf16", partition=k)["model_states"] == worst
+            if "partition_size" in inspect.signature(plan_model).parameters:  # and so does hf_zero's plan of it
+                cfg = ZeroConfig(stage=stage, mixed_precision="bf16")
+                assert max_over_ranks(plan_model(model, n, cfg, partition_size=k), cfg)["model_states"] == worst
             assert row["model_states"] == worst, (stage, option)
-            shard = sum(g.shard_numel for g in plan.groups if g.trainable)
+            shard = sum(g.shard for g in groups if g.trainable)
             assert row["comm_elements"]["inter"] == {"all_reduce": 2 * shard}
             gathered = t if stage < 3 else 2 * (t + f) - root
             assert row["comm_elements"]["intra"] == {"reduce_scatter": t, "all_gather": gathered}
         elif option == "hpz":
-            secondary = sum(g.padded_numel // k * 2 for g in plan.groups if g.unit != 0)
+            secondary = sum(g.padded // k * 2 for g in groups if g.unit != 0)
             assert row["secondary_bytes"] == secondary > 0
             assert row["model_states"] == worst + secondary
             assert row["comm_elements"] == {"intra": {"all_gather": t + f - root},
@@ -370,7 +382,7 @@ def test_hosts_plan_mode_is_the_planners_layout(variant):
 
 
 def test_hosts_plan_cli_and_wire_bytes(tmp_path, capsys):
-    """--model with --ranks-per-host: the HSDP rows are plan_model over K ranks; bytes on the wire: all-gathers in
+    """--model with --ranks-per-host: the HSDP rows are the worst rank of a K-way layout; bytes on the wire: all-gathers in
     bf16, stage-2/3 reductions in fp32 (reduce_dtype's default under bf16), stage 0/1 reductions in the fp32
     accumulator, and with reduce_dtype="compute" in bf16."""
     from hf_zero.tools.estimate.plan import wire_bytes
@@ -382,8 +394,8 @@ def test_hosts_plan_cli_and_wire_bytes(tmp_path, capsys):
     assert set(rows) == {(0, "none"), (1, "none"), (1, "hsdp"), (2, "none"), (2, "hsdp"), (3, "none"), (3, "hsdp"),
                          (3, "hpz")}
     for stage in (1, 2, 3):
-        cfg = ZeroConfig(stage=stage, mixed_precision="bf16")
-        assert rows[stage, "hsdp"]["max"] == max_over_ranks(plan_model(model, 2, cfg), cfg)
+        want = worst_rank_bytes(model, 2, stage, mixed_precision="bf16")
+        assert {k: rows[stage, "hsdp"]["max"][k] for k in want} == want, stage
         assert rows[stage, "hsdp"]["partition_size"] == 2
         inter = rows[stage, "hsdp"]["comm_elements"]["inter"]["all_reduce"]
         assert rows[stage, "hsdp"]["inter_bytes"] == 4 * inter
@@ -834,11 +846,11 @@ def test_zeropp_plan_mode_sums_the_groups(tmp_path, capsys):
     out = _json(capsys, "--model", str(tmp_path), "--zeropp", "--num-processes", "4", "--ranks-per-host", "2",
                 "--block-size", "64")
     rows = out["worlds"]["4"]
-    plan = plan_model(models.make_model("gpt2"), 4, ZeroConfig(stage=3, mixed_precision="bf16"))
-    root = set(plan.units[0].groups)
-    sizes = [g.padded_numel for g in plan.groups]
-    back = [g.padded_numel for g in plan.groups if g.index not in root]
-    assert out["psi"] == plan.num_trainable and all(g.trainable for g in plan.groups)
+    model = models.make_model("gpt2")
+    groups = layout(model, 4, torch.bfloat16)
+    sizes = [g.padded for g in groups]
+    back = [g.padded for g in groups if g.unit != 0]
+    assert out["psi"] == sum(p.numel() for p in model.parameters()) and all(g.trainable for g in groups)
     assert rows["stage 3"]["inter_bytes"] == 2 * sum(sizes) + 2 * sum(back) + 4 * sum(sizes)
     assert rows["stage 3 hpZ"]["intra_bytes"] == 2 * sum(back)
     q = lambda p, bits: 4 * quantized_nbytes(p // 4, 64, bits)  # noqa: E731
@@ -863,10 +875,8 @@ def test_quantized_frozen_weights_count_codes_and_scales_at_stage_3():
     model = models.make_model("llama", "lora")
     config = ZeroConfig(stage=3, quantized_frozen_weights="int8", quantization_block_size=64)
     planner = Planner(model, config)
-    plan = planner.plan(3, 3)
-    got = plan_bytes(plan, planner.config_for(3))["params"]
-    want = sum(quantized_nbytes(g.shard_numel, 64, 8) if not g.trainable else 4 * g.shard_numel
-               for g in plan.groups)
+    got = plan_bytes(planner.plan(3, 3), planner.config_for(3))["params"]
+    want = sum(quantized_nbytes(g.shard, 64, 8) if not g.trainable else 4 * g.shard for g in layout(model, 3))
     assert got == want
     assert plan_bytes(planner.plan(1, 3), planner.config_for(1))["params"] == sum(
-        4 * g.padded_numel for g in planner.plan(1, 3).groups)  # stage 1: the option does not apply
+        4 * g.padded for g in layout(model, 3))  # stage 1: the option does not apply
