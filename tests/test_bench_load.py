@@ -5,7 +5,14 @@ The bytes each row reports are checked against counts made here from the preset'
 read from hf_zero or from the bench): before the first step, hf_zero stage 1 holds the full fp32 parameters and
 the full fp32 gradient accumulator (Ψ*4 each, plus padding to the world size per flat group), stage 3 half of
 each (its shard; the fp32 master is the shard itself), FSDP2 its dim-0 chunk of every parameter (the ranks'
-chunks add up to Ψ*4 exactly). The loaded weights are compared with the files (untimed, inside the run).
+chunks add up to Ψ*4 exactly).
+
+The loaded weights: the bench's own verdict (`weights_ok`, computed inside the run) is not the evidence. The test
+saves the model itself with the bench's save step, points `--load-folder` at that folder, reads every tensor of its
+safetensors files with `safetensors.safe_open`, and (a) checks the bench compared exactly that many tensors, (b)
+loads the folder again in its own 2-rank gloo world with hf_zero's loader, as the bench's hf_zero rows do
+(`hf_zero.from_pretrained` on meta + `shard_model`, stages 1 and 3), and requires every weight to equal the file's
+bit for bit. FSDP2's loaded weights stay inside the bench (its verdict only).
 """
 import json
 import os
@@ -13,8 +20,11 @@ import subprocess
 import sys
 
 import pytest
-
+import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GPT2Config
+
+from _dist import run_scenarios
 
 pytestmark = pytest.mark.slow  # one --load run of three systems: ~50 s idle on 2 cores
 
@@ -38,11 +48,35 @@ def _tiny_params():
 
 
 @pytest.fixture(scope="module")
-def load_run(tmp_path_factory):
+def model_folder(tmp_path_factory):
+    """The --preset tiny model saved by the bench's own save step (save_pretrained into about 4 files, seed 0), in a
+    folder the test keeps, so it can read the very files the bench loads."""
+    from hf_zero.tools.bench.load import save_model
+    from hf_zero.tools.bench.runner import PRESETS
+
+    folder = str(tmp_path_factory.mktemp("bench_load_model") / "model")
+    save_model(dict(PRESETS["tiny"]), folder, 0, None, 300, 2)
+    return folder
+
+
+def read_files(folder):
+    """{name: tensor} of every safetensors file in `folder`, read with safe_open (not through hf_zero)."""
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), framework="pt") as f:
+                for key in f.keys():
+                    assert key not in out, f"{key} in two files"
+                    out[key] = f.get_tensor(key)
+    return out
+
+
+@pytest.fixture(scope="module")
+def load_run(tmp_path_factory, model_folder):
     out = tmp_path_factory.mktemp("bench_load") / "out.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "hf_zero.cli", "bench", "--load", "--preset", "tiny", "--num-processes", str(WORLD),
-           "--systems", ",".join(SYSTEMS), "--json", str(out)]
+    cmd = [sys.executable, "-m", "hf_zero.cli", "bench", "--load", "--load-folder", model_folder,
+           "--num-processes", str(WORLD), "--systems", ",".join(SYSTEMS), "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     lines = [ln for ln in out.read_text().splitlines() if ln.strip()]
@@ -51,11 +85,15 @@ def load_run(tmp_path_factory):
     return payload, {r["system"]: r for r in payload["rows"]}, proc
 
 
-def test_every_system_loads_the_files_exactly(load_run):
+def test_every_system_loads_the_files_exactly(load_run, model_folder):
     payload, rows, proc = load_run
     assert list(rows) == list(SYSTEMS)
+    files = read_files(model_folder)
     assert len(payload["settings"]["files"]) >= 2, "the model is saved into several safetensors files"
+    assert sorted(payload["settings"]["files"]) == sorted(n for n in os.listdir(model_folder)
+                                                          if n.endswith(".safetensors"))
     n_tensors = len(_tiny_params())  # distinct tensors: lm_head.weight is wte's, save_pretrained writes it once
+    assert len(files) == n_tensors, sorted(files)
     for name, r in rows.items():
         assert r["status"] == "ok", (name, r.get("error", r["status"]))
         assert r["world_size"] == WORLD and len(r["per_rank"]) == WORLD
@@ -63,6 +101,39 @@ def test_every_system_loads_the_files_exactly(load_run):
         assert r["weights_checked"] == n_tensors, name
     for name in SYSTEMS:
         assert name in proc.stdout and "above baseline MiB" in proc.stdout  # the table
+
+
+def load_with_hf_zero(rank, world_size, folder, stage):
+    """What the bench's hf_zero rows do, in the test's own gloo world: hf_zero.from_pretrained on meta, then
+    shard_model with AdamW; rank 0 returns the full weights (full_state_dict), the others {}."""
+    from hf_zero import ZeroConfig, from_pretrained, shard_model
+
+    model = from_pretrained(AutoModelForCausalLM, folder, torch_dtype=torch.float32)
+    engine = shard_model(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ZeroConfig(stage=stage))
+    state = engine.full_state_dict()
+    engine.close()
+    return {k: v.clone() for k, v in state.items()}
+
+
+def test_hf_zero_loads_every_tensor_of_the_files_bit_for_bit(model_folder):
+    """Independent of the bench's verdict: the files read with safe_open against what hf_zero's loader puts into a
+    2-rank stage-1 and stage-3 model, every tensor bit for bit (GPT-2's tied lm_head.weight is the file's
+    transformer.wte.weight; save_pretrained writes it once)."""
+    files = read_files(model_folder)
+    assert len(files) == len(_tiny_params())
+    results = run_scenarios(WORLD, [(f"stage{k}", load_with_hf_zero, dict(folder=model_folder, stage=k))
+                                    for k in (1, 3)])
+    for name, res in results.items():
+        if isinstance(res, Exception):
+            raise res
+        state = res[0]
+        assert all(r == {} for r in res[1:]), name
+        for key, want in files.items():
+            assert key in state, (name, key)
+            got = state[key]
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), (
+                name, key, (got.double() - want.double()).abs().max().item())
+        assert torch.equal(state["lm_head.weight"], files["transformer.wte.weight"]), name
 
 
 def test_memory_and_time_are_plausible(load_run):
