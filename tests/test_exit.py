@@ -4,10 +4,14 @@ torch.multiprocessing.spawn, with or without its own destroy_process_group(), mu
 The abort ("terminate called without an active exception", SIGABRT after a correct run) comes from gloo's threads
 living into interpreter finalization (hf_zero/engine/exit.py says why). It is a race, so two kinds of test:
 
-- deterministic: every rank reports the threads it still runs after every other exit hook (tests/scripts/
-  exit_shard_model.py --exit-report, registered first so it runs last); no gloo thread may be among them;
-- the race itself: 8 launches (HF_ZERO_EXIT_REPEAT) beside a busy CPU, none may lose a process to a signal or
-  print "terminate called".
+- deterministic (always runs): every rank reports the threads it still runs after every other exit hook
+  (tests/scripts/exit_shard_model.py --exit-report, registered first so it runs last); no gloo thread may be among
+  them. It covers both launchers (torchrun, torch.multiprocessing.spawn) with both reported scripts (stage 1 with
+  frozen parameters and destroy_process_group(); stage 3 with CPU activation checkpoints, the group left alive),
+  plus the Accelerator API;
+- the race itself, opt-in: HF_ZERO_EXIT_REPEAT=N (e.g. 50) runs N launches beside a busy CPU, none may lose a
+  process to a signal or print "terminate called". It catches the race only a fraction of the time (it costs N
+  launches to hope for one), so by default it is skipped and the deterministic test stands for it.
 
 Neither may print torch.distributed.reduce_op's FutureWarning (the former exit hook walked every module's attributes
 and printed it three times per rank). Output is checked whole, never a tail.
@@ -27,8 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPT = os.path.join(HERE, "scripts", "exit_shard_model.py")
 LAUNCH_TIMEOUT_S = 180
-# 8 keeps CI short: the deterministic test pins the cause; HF_ZERO_EXIT_REPEAT=50 hunts the race harder
-REPEAT = int(os.environ.get("HF_ZERO_EXIT_REPEAT", "8"))
+# the race hunt's launches: 0 (unset) skips it; the deterministic test pins the cause
+REPEAT = int(os.environ.get("HF_ZERO_EXIT_REPEAT", "0") or "0")
 # the two reported scripts: torchrun, stage 1, frozen parameters, destroy_process_group() at the end; spawn, stage 3,
 # partitioned activation checkpoints on the CPU, the group left alive
 TORCHRUN_STAGE1 = ("torchrun", ["--stage", "1", "--frozen", "--destroy"])
@@ -161,9 +165,11 @@ def test_group_defaults_lists_every_module_that_pins_the_world_group(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(REPEAT < 1, reason="race hunt, opt-in: set HF_ZERO_EXIT_REPEAT=N (e.g. 50) to run N launches "
+                                       "under load; the deterministic test above pins the cause")
 def test_no_abort_at_exit_in_repeated_launches_under_load(tmp_path):
-    """REPEAT launches (HF_ZERO_EXIT_REPEAT, default 8), alternating the two reported scripts, each beside a
-    process that keeps one core busy: no process may die by a signal or print "terminate called"."""
+    """REPEAT launches (HF_ZERO_EXIT_REPEAT), alternating the two reported scripts, each beside a process that keeps
+    one core busy: no process may die by a signal or print "terminate called"."""
     # a busy loop bounded by its own clock, should this test be killed before it stops it
     busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + %d\n"
                              "while time.monotonic() < end: pass" % (REPEAT * LAUNCH_TIMEOUT_S)])
