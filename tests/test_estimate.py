@@ -382,9 +382,9 @@ def test_hosts_plan_mode_is_the_planners_layout(variant):
 
 
 def test_hosts_plan_cli_and_wire_bytes(tmp_path, capsys):
-    """--model with --ranks-per-host: the HSDP rows are the worst rank of a K-way layout; bytes on the wire: all-gathers in
-    bf16, stage-2/3 reductions in fp32 (reduce_dtype's default under bf16), stage 0/1 reductions in the fp32
-    accumulator, and with reduce_dtype="compute" in bf16."""
+    """--model with --ranks-per-host: the HSDP rows are the worst rank of a K-way layout; bytes on the wire:
+    all-gathers in bf16, stage-2/3 reductions in fp32 (reduce_dtype's default under bf16), stage 0/1 reductions in
+    the fp32 accumulator, and with reduce_dtype="compute" in bf16."""
     from hf_zero.tools.estimate.plan import wire_bytes
 
     models._config("gpt2").save_pretrained(tmp_path)
