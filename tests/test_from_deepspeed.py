@@ -18,7 +18,7 @@ import pytest
 from hf_zero import ZeroConfig, ZeroPlugin
 from hf_zero.config import ZeroConfigError
 from hf_zero.deepspeed_config import RULES, DeepSpeedConfigWarning, markdown, read_deepspeed_config
-from hf_zero.options import BY_NAME, readme_section
+from hf_zero.options import BY_NAME, page_section
 
 from test_options import ROOT
 
@@ -331,14 +331,14 @@ def test_keys_read_as_deepspeed_itself_reads_them(name, ds):
                                                      if theirs.zero_hpz_partition_size > 1 else None)
 
 
-# ------------------------------------------------------------------------------------------------ README
-def test_readme_deepspeed_table_is_the_rules():
-    readme = (ROOT / "README.md").read_text()
-    assert readme_section(readme, "deepspeed") == markdown(), "run `python -m hf_zero.options --write README.md`"
+# ------------------------------------------------------------------------------------------------ docs table
+def test_docs_deepspeed_table_is_the_rules():
+    page = (ROOT / "docs" / "from_deepspeed.md").read_text()  # the table's home
+    assert page_section(page, "deepspeed") == markdown(), "run `python -m hf_zero.options --write`"
     targets = {rule.target.strip("`").split("`")[0] for rule in RULES}
     for rule in RULES:
         for key in rule.keys:  # every key the reader knows is in the table
-            assert key.rpartition(".")[2] in readme_section(readme, "deepspeed")
+            assert key.rpartition(".")[2] in page_section(page, "deepspeed")
     # every option a DeepSpeed key sets is a declared option
     assert {t for t in targets if t in BY_NAME} >= {"stage", "mixed_precision", "reduce_bucket_size",
                                                     "allgather_bucket_size", "prefetch", "offload_optimizer",

@@ -2,7 +2,7 @@
 
 `read_deepspeed_config(path_or_dict)` gives a `DeepSpeedSettings`; `ZeroConfig.from_deepspeed`,
 `ZeroPlugin.from_deepspeed` and `hf-zero config --from-deepspeed FILE` are built on it. Every key of the file meets
-one rule of `RULES` (README's "DeepSpeed key -> hf_zero option" table is printed from them):
+one rule of `RULES` (the "DeepSpeed key -> hf_zero option" table of docs/from_deepspeed.md is written from them):
 
 - it sets an hf_zero option, converted where the units differ (DeepSpeed counts bucket sizes in elements, hf_zero in
   bytes: elements x 2 under bf16/fp16, x 4 otherwise);
@@ -126,7 +126,7 @@ def _keys_text(keys: Tuple[str, ...]) -> str:
 
 
 def markdown() -> str:
-    """README's "DeepSpeed key -> hf_zero option" table, one row per rule."""
+    """The "DeepSpeed key -> hf_zero option" table of docs/from_deepspeed.md, one row per rule."""
     rows = ["| DeepSpeed key | hf_zero | how |", "|---|---|---|"]
     for rule in RULES:
         keys = _keys_text(rule.keys)
