@@ -1,5 +1,5 @@
 """Two "hosts" on this one machine, made of Linux namespaces, for multi-host launches (`accelerate launch
---num_machines 2`, `torchrun --nnodes 2`, `hf-zero bench --hosts 2`) without a cluster, optionally joined by a
+--num_machines 2`, `torchrun --nnodes 2`, `python -m benchmarks.two_hosts`) without a cluster, optionally joined by a
 rate-limited link.
 
     with TwoHosts(link_rate="200mbit") as hosts:    # or the `two_hosts` fixture of tests/test_multihost.py
@@ -7,8 +7,9 @@ rate-limited link.
         a, b = hosts.run([cmd_for_host_a, cmd_for_host_b], env={"X": "1"}, timeout=300)
         rc, out, err = a                            # each result unpacks as (returncode, stdout, stderr)
 
-The tests use it through tests/_hosts.py (a re-export); `hf-zero bench --hosts 2` (tools/bench/multihost.py) runs
-its systems across it. It imports nothing of hf_zero but its two helpers, whose public names it re-exports:
+Needs root, iproute2's `ip` (and `tc` for a link rate) and util-linux's `unshare` (benchmarks/README.md). The tests
+use it through tests/_hosts.py (a re-export); `python -m benchmarks.two_hosts` (two_hosts.py) runs the bench's
+systems across it. It imports nothing of hf_zero but its two helpers, whose public names it re-exports:
 procs.py (starting, waiting for and killing the hosts' processes: `HostRun`, `HostsTimeout`, `base_env`,
 `wait_all`, `run_local`, `worker_logs`) and link.py (`parse_rate`, tc's token-bucket arguments, the link
 measurement's scripts).

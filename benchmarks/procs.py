@@ -1,5 +1,5 @@
 """Running, waiting for and killing the processes of a launch, bounded in time: what `TwoHosts` (hosts.py) runs on
-each host, and `run_local` on the machine itself. It imports nothing of hf_zero.
+each host, and `run_local` on the machine itself. It imports nothing of hf_zero (nor of benchmarks).
 
 - `base_env(extra)`: os.environ for a CPU launch (ACCELERATE_USE_CPU=1, OMP_NUM_THREADS=1, PYTHONPATH with the
   repository root; launcher variables inherited from outside removed).
@@ -30,8 +30,9 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-# the folder holding the hf_zero package (the repository root of a checkout): on the hosts' PYTHONPATH
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the checkout's root (the folder holding benchmarks/ and hf_zero/): on the hosts' PYTHONPATH, so `python -m
+# benchmarks....` and `import hf_zero` work inside them whatever the working directory
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETUP_TIMEOUT_S = 30  # any one `ip` / `unshare` call of the setup or teardown
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "NODE_RANK",
                   "MASTER_ADDR", "MASTER_PORT", "HF_ZERO_CONFIG_FILE", "ACCELERATE_CONFIG_FILE")

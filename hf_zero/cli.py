@@ -7,6 +7,14 @@ from typing import List, Optional
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from .tools.bench.cli import moved_flags, moved_message
+
+        moved = moved_flags(argv[1:])  # before argparse: it would stop at the capacity table's own flags
+        if moved:
+            print(moved_message(moved), file=sys.stderr)
+            return 2
     parser = argparse.ArgumentParser(prog="hf-zero", description="ZeRO for Hugging Face: tools")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="train a causal LM under DDP, FSDP2, torch's ZeroRedundancyOptimizer, "

@@ -1,17 +1,20 @@
-"""`hf-zero bench --hosts 2 --link-rate R`: the systems' ranks in two namespace hosts over a rate-limited link.
+"""`python -m benchmarks.two_hosts --link-rate R` (from a checkout; formerly `hf-zero bench --hosts 2`): the
+systems' ranks in two namespace hosts over a rate-limited link.
 
-- the link (hf_zero/tools/hosts.py, re-exported by tests/_hosts.py): tc's rate strings parse, and a timed bulk
+- the link (benchmarks/hosts.py, re-exported by tests/_hosts.py): tc's rate strings parse, and a timed bulk
   TCP transfer between the hosts runs within 20% of the rate set (and near it again after `set_link_rate`);
-- the command line: --link-rate without --hosts 2, an odd world, a --ranks-per-host that is not the hosts', and a
-  bad rate are errors before anything runs; where namespaces cannot be made, the bench says why and exits 2;
+- the command line: --hosts other than 2, an odd world, a --ranks-per-host that is not the hosts', a bad rate,
+  --lockstep and --load are errors before anything runs; where namespaces cannot be made, the bench says why and
+  exits 2; `hf-zero bench --hosts` / `--link-rate` exit 2 naming `python -m benchmarks.two_hosts`;
 - the bench on the tiny preset, 2 ranks per host: rows say the link and 2 hosts of 2, and the ledger books what the
   formulas say, counted here from the preset's shapes: plain stage 3 sends everything between the hosts,
   4 (3Ψ - r) bytes; hpZ books its backward all-gathers inside the host, 4 (Ψ - r), and the rest between them;
   hpZ + qwZ (int8) + qgZ (int4) sends codes and fp32 scales (qgZ in two hops: inside the host, then the host's
   sums across), under 0.3x of plain stage 3's bytes between the hosts.
 
-Benchmarks are not timed tests: no steps/s is asserted. Tests that need namespaces skip with the reason where
-they cannot be made (not root, no `ip` / `tc`), as tests/test_multihost.py does.
+Benchmarks are not timed tests: no steps/s is asserted. Tests that need namespaces carry the `needs_root` marker
+and skip with a reason that starts with "needs root" and names what is missing (not root, no `ip` / `tc` /
+`unshare`), as tests/test_multihost.py's do.
 """
 import json
 import math
@@ -21,7 +24,7 @@ import sys
 
 import pytest
 
-from _hosts import ROOT, HostsUnavailable, TwoHosts, parse_rate
+from _hosts import ROOT, TwoHosts, parse_rate, two_hosts_or_skip
 
 LINK = "200mbit"
 WORLD = 4  # 2 ranks per host: hpZ's host groups are the hosts
@@ -29,14 +32,11 @@ BLOCK = 256  # ZeroConfig.quantization_block_size's default
 
 
 def _hosts(**kwargs) -> TwoHosts:
-    try:
-        return TwoHosts(**kwargs)
-    except HostsUnavailable as exc:
-        pytest.skip(f"no two-host harness here: {exc}")
+    return two_hosts_or_skip(**kwargs)
 
 
 def _bench(args, timeout=900):
-    cmd = [sys.executable, "-m", "hf_zero.cli", "bench", "--preset", "tiny", "--steps", "2", "--warmup", "1",
+    cmd = [sys.executable, "-m", "benchmarks.two_hosts", "--preset", "tiny", "--steps", "2", "--warmup", "1",
            "--num-processes", str(WORLD)] + list(args)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -55,6 +55,7 @@ def test_bad_rates_are_errors(text):
         parse_rate(text)
 
 
+@pytest.mark.needs_root
 def test_the_link_runs_at_the_rate_set():
     """A bulk TCP transfer from host B to host A, timed at the receiver, within 20% of the rate (tbf counts the
     headers too, so TCP's payload gets ~95% of it); a new rate holds too, and removing it lifts the limit."""
@@ -73,16 +74,18 @@ def test_the_link_runs_at_the_rate_set():
 
 # ------------------------------------------------------------------------------------------------ command line
 @pytest.mark.parametrize("args, message", [
-    (["--link-rate", "100mbit"], "--link-rate sets the link between hosts: it needs --hosts 2"),
-    (["--hosts", "3"], "--hosts takes 1 or 2"),
+    (["--hosts", "3"], "--hosts takes 2"),
+    (["--hosts", "1"], "--hosts takes 2"),
     (["--hosts", "2", "--num-processes", "3"], "--num-processes must be even"),
-    (["--hosts", "2", "--ranks-per-host", "1"], "K is the ranks per host, 2"),
+    (["--ranks-per-host", "1"], "K is the ranks per host, 2"),
     (["--hosts", "2", "--link-rate", "100mbit,fast"], "link rate 'fast'"),
+    (["--lockstep"], "--lockstep runs every system in one process group here: not with --hosts"),
+    (["--load"], "--load runs on this one host"),
 ])
 def test_bad_host_arguments_are_errors_before_any_run(args, message, capsys):
-    from hf_zero.cli import main
+    from benchmarks.two_hosts import main
 
-    argv = ["bench", "--preset", "tiny", "--steps", "2", "--warmup", "1", "--num-processes", str(WORLD)] + args
+    argv = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--num-processes", str(WORLD)] + args
     try:  # in this process: the checks run before anything is spawned (a run would fail the return code)
         code = main(argv)
     except SystemExit as exc:  # argparse's own errors
@@ -98,20 +101,43 @@ def test_without_namespaces_the_bench_says_why(monkeypatch, capsys):
     reason and exit code 2, before any system runs."""
     import argparse
 
-    from hf_zero.tools import hosts as hosts_module
-    from hf_zero.tools.bench import cli
+    from benchmarks import hosts as hosts_module
+    from benchmarks import two_hosts
 
     monkeypatch.setattr(hosts_module.TwoHosts, "_unavailable",
                         staticmethod(lambda need_tc=False: "making network namespaces needs root"))
     parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
+    two_hosts.add_host_arguments(parser)
     args = parser.parse_args(["--preset", "tiny", "--systems", "zero3", "--num-processes", "4", "--hosts", "2",
                               "--link-rate", "100mbit"])
-    assert cli.run(args) == 2
+    assert two_hosts.run(args) == 2
     err = capsys.readouterr().err
     assert "--hosts 2 runs the ranks in two hosts made of Linux network namespaces" in err, err
     assert "making network namespaces needs root" in err, err
     assert "[1/1]" not in err
+
+
+@pytest.mark.parametrize("args, flags", [(["--hosts", "2"], ["--hosts"]), (["--hosts=1"], ["--hosts"]),
+                                         (["--hosts", "2", "--link-rate", "100mbit"], ["--hosts", "--link-rate"]),
+                                         (["--link-rate", "1gbit", "--an-unknown-flag"], ["--link-rate"])])
+def test_hf_zero_bench_names_the_two_host_command(args, flags, capsys):
+    """The two-host bench moved out of the library (it needs root): `hf-zero bench --hosts` / `--link-rate` exit 2
+    with a message naming `python -m benchmarks.two_hosts`, before argparse and before anything runs; so does
+    `run` on parsed arguments that hold them."""
+    import argparse
+
+    from hf_zero.cli import main
+    from hf_zero.tools.bench import cli
+
+    assert main(["bench", "--preset", "tiny", *args]) == 2
+    err = capsys.readouterr().err
+    for flag in flags:
+        assert f"hf-zero bench: error: {flag} moved out of the library" in err, err
+    assert "`python -m benchmarks.two_hosts`" in err and "benchmarks/README.md" in err and "[1/" not in err, err
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.run(parser.parse_args(["--preset", "tiny", "--hosts", "2"])) == 2
+    assert "python -m benchmarks.two_hosts" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------ the bench
@@ -130,9 +156,11 @@ def _qbytes(elements, world, bits):
 
 
 @pytest.mark.slow
+@pytest.mark.needs_root
 def test_bench_across_two_hosts_books_the_formula(tmp_path):
-    """zero3, zero3-hpz and zero3-hpz-qwz-qgz on 2 hosts of 2 ranks over a 200mbit link."""
-    _hosts().close()  # skip here, with the reason, where namespaces cannot be made
+    """zero3, zero3-hpz and zero3-hpz-qwz-qgz on 2 hosts of 2 ranks over a 200mbit link, run as a user runs it
+    (`python -m benchmarks.two_hosts` from the checkout's root)."""
+    _hosts(link_rate=LINK).close()  # skip here, with the reason, where namespaces or tc cannot be had
     out = tmp_path / "rows.json"
     proc = _bench(["--systems", "zero3,zero3-hpz,zero3-hpz-qwz-qgz", "--hosts", "2", "--link-rate", LINK,
                    "--json", str(out)])

@@ -1,6 +1,7 @@
-"""hf-zero bench --capacity (hf_zero/tools/bench/capacity/): the search (seeded at the estimator's prediction), the
-budget's enforcement, the random checkpoint written layer by layer, the estimator's prediction, the command line,
-and a tiny end-to-end run whose ordering the paper's model-state formulas predict."""
+"""`python -m benchmarks.capacity` (benchmarks/capacity/, from a checkout; formerly `hf-zero bench --capacity`): the
+search (seeded at the estimator's prediction), the budget's enforcement (memory cgroups: the `needs_root` tests),
+the random checkpoint written layer by layer, the estimator's prediction, the command line (and `hf-zero bench
+--capacity` naming it), and a tiny end-to-end run whose ordering the paper's model-state formulas predict."""
 from __future__ import annotations
 
 import argparse
@@ -11,9 +12,9 @@ import sys
 
 import pytest
 
-from hf_zero.tools.bench.capacity import (SHAPES, Estimator, RandomCheckpoint, RunOptions, Trial, largest_fitting,
-                                          main, memory_cgroup_support, parse_bytes, parse_systems, run_ranks,
-                                          search_cell, seed_layers, write_safetensors)
+from benchmarks.capacity import (SHAPES, Estimator, RandomCheckpoint, RunOptions, Trial, largest_fitting, main,
+                                 memory_cgroup_support, parse_bytes, parse_systems, run_ranks, search_cell, seed_layers,
+                                 write_safetensors)
 
 MIB = 2**20
 # A rank that touches `argv[1]` MiB (every page written, so every page is charged) and exits 0.
@@ -28,7 +29,8 @@ def _allocating(mib: int):
 def _cgroups():
     support, why = memory_cgroup_support()
     if support is None:
-        pytest.skip(f"no memory cgroup here: {why}")
+        pytest.skip(f"needs root and a memory cgroup controller (cgroup v1 memory, or v2 with memory delegable below "
+                    f"this process's cgroup): {why}")
     return support
 
 
@@ -90,7 +92,7 @@ def test_a_seeded_search_costs_the_log_of_its_distance_to_the_boundary(boundary,
 def test_a_cell_searches_from_the_estimate_and_stops_where_a_system_cannot_run(monkeypatch):
     """search_cell with the trials stubbed (no processes): seeded at 30 for a boundary of 29 it probes 30, 29, then
     stops (2 trials); a system that raises "not supported" is probed once, and its cell says "skipped" and why."""
-    from hf_zero.tools.bench.capacity import cells
+    from benchmarks.capacity import cells
 
     def fake(outcome):
         def run_trial(name, mode, world, layers, opts, checkpoint):
@@ -115,8 +117,8 @@ def test_each_cell_is_seeded_with_what_earlier_cells_measured(monkeypatch, capsy
     """run_capacity with the cells stubbed (no processes): the first cell starts from the estimate less
     OVERHEAD_GUESS, later ones of the same family from the estimate less the overhead their predecessors measured;
     the table prints each cell's trials and start."""
-    from hf_zero.tools.bench.capacity import cli
-    from hf_zero.tools.bench.capacity.cells import OVERHEAD_GUESS, Cell
+    from benchmarks.capacity import cli
+    from benchmarks.capacity.cells import OVERHEAD_GUESS, Cell
 
     starts = []
 
@@ -143,7 +145,7 @@ def test_each_cell_is_seeded_with_what_earlier_cells_measured(monkeypatch, capsy
 def test_the_seed_is_the_estimate_within_the_budget_less_what_ranks_held_besides_model_states():
     """seed_layers: the estimator's count for the budget less the overhead measured in earlier cells (peak RSS - model
     states of the sizes that fitted, measured_overhead), within 1..max_layers."""
-    from hf_zero.tools.bench.capacity.cells import measured_overhead
+    from benchmarks.capacity.cells import measured_overhead
 
     est = Estimator(dict(SHAPES["tiny"]), lora_rank=8)
     budget = 2**30
@@ -173,6 +175,7 @@ def test_budgets_and_system_names_parse():
 
 
 # ---------------------------------------------------------------------------------------------------- budget
+@pytest.mark.needs_root
 def test_a_rank_over_the_budget_is_oom_killed_and_one_under_it_fits():
     """Each rank in its own memory cgroup of 192 MiB: a rank that touches 400 MiB is killed by the kernel (the
     cgroup's oom_kill counter says so: "does not fit"), one that touches 64 MiB exits 0; both under it: "ok"."""
@@ -250,25 +253,26 @@ def test_estimator_predicts_more_layers_for_each_stage():
 
 
 # ---------------------------------------------------------------------------------------------------- command line
-def test_hf_zero_bench_capacity_parses_its_flags_beside_the_benchs(capsys):
-    """`hf-zero bench --capacity` takes the capacity flags on bench's own parser (no flag declared twice: argparse
-    would refuse the parser), --help lists them, and the 7B demonstration's command line parses."""
-    from hf_zero.cli import main as hf_zero_main
-    from hf_zero.tools.bench import cli
+def test_the_capacity_command_parses_its_flags(capsys):
+    """`python -m benchmarks.capacity` takes the capacity flags (and the two it shares with bench, --seed and
+    --malloc-mmap-threshold), --help lists them, and the 7B demonstration's command line parses."""
+    from benchmarks.capacity import add_capacity_arguments, add_shared_arguments
 
     with pytest.raises(SystemExit) as exit_:
-        hf_zero_main(["bench", "--capacity", "--help"])
+        main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--capacity", "--budget", "--capacity-systems", "--ranks", "--modes", "--max-layers", "--cgroups",
-                 "--systems", "--num-processes", "--malloc-mmap-threshold"):
+    assert out.startswith("usage: python -m benchmarks.capacity"), out
+    for flag in ("--budget", "--capacity-systems", "--ranks", "--modes", "--max-layers", "--cgroups", "--seed",
+                 "--malloc-mmap-threshold"):
         assert flag in out, flag
     parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    args = parser.parse_args(["--capacity", "--shape", "llama7b", "--layers", "32", "--modes", "lora", "--budget",
-                              "10GiB", "--capacity-systems", "zero3-int8,ddp,fsdp2,deepspeed_zero3", "--ranks",
-                              "2", "--weights-dtype", "bf16", "--seed", "3"])
-    assert args.capacity and args.layers == 32 and args.modes == ["lora"] and args.ranks == [2]
+    add_capacity_arguments(parser)
+    add_shared_arguments(parser)
+    args = parser.parse_args(["--shape", "llama7b", "--layers", "32", "--modes", "lora", "--budget", "10GiB",
+                              "--capacity-systems", "zero3-int8,ddp,fsdp2,deepspeed_zero3", "--ranks", "2",
+                              "--weights-dtype", "bf16", "--seed", "3"])
+    assert args.layers == 32 and args.modes == ["lora"] and args.ranks == [2] and args.seed == 3
     assert args.budget == 10 * 2**30 and args.capacity_systems == ["zero3-int8", "ddp", "fsdp2", "deepspeed_zero3"]
 
 
@@ -278,31 +282,39 @@ def test_hf_zero_bench_capacity_parses_its_flags_beside_the_benchs(capsys):
     (["--ranks", "2,x"], "argument --ranks: world sizes are positive integers"),
     (["--capacity-systems", "zero9"], "argument --capacity-systems: unknown system 'zero9'"),
     (["--max-layers", "0"], "argument --max-layers: expected a positive integer"),
+    (["--systems", "zero3"], "unrecognized arguments: --systems"),  # bench's flag: the capacity run has its own
 ])
 def test_a_bad_capacity_value_is_named_with_exit_2_and_no_traceback(argv, says, capsys):
-    from hf_zero.cli import main as hf_zero_main
-
     with pytest.raises(SystemExit) as exit_:
-        hf_zero_main(["bench", "--capacity", *argv])
+        main(argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--capacity", "--systems", "zero3"], "--capacity does not read --systems (use --capacity-systems)"),
-    (["--capacity", "--json", "x.json", "--steps", "3"], "--steps (use --train-steps), --json (use --capacity-json)"),
-    (["--budget", "1GiB"], "without --capacity, bench does not read --budget"),
-    (["--capacity", "--keep-weights"], "--keep-weights keeps the random checkpoint in --weights-dir"),
-])
-def test_flags_of_the_other_table_are_refused_not_ignored(argv, says, capsys):
-    """Each table's flags are its own: given to the other one they are named (with what to use instead), exit 2,
-    before anything runs."""
+def test_keep_weights_needs_a_folder(capsys):
+    assert main(["--keep-weights"]) == 2
+    err = capsys.readouterr().err
+    assert "python -m benchmarks.capacity: error: --keep-weights keeps the random checkpoint in --weights-dir" in err
+
+
+@pytest.mark.parametrize("argv", [["--capacity"], ["--capacity", "--budget", "1GiB", "--capacity-systems", "ddp"],
+                                  ["--capacity", "--help"]])
+def test_hf_zero_bench_capacity_names_the_new_command(argv, capsys):
+    """The capacity table moved out of the library (its memory cgroups need root): `hf-zero bench --capacity`, with
+    or without the capacity flags, exits 2 naming `python -m benchmarks.capacity`, before anything runs; so does
+    `run` on parsed arguments that hold it."""
     from hf_zero.cli import main as hf_zero_main
+    from hf_zero.tools.bench import cli
 
     assert hf_zero_main(["bench", *argv]) == 2
     err = capsys.readouterr().err
-    assert says in err and "Traceback" not in err, err
+    assert "hf-zero bench: error: --capacity moved out of the library" in err, err
+    assert "`python -m benchmarks.capacity`" in err and "benchmarks/README.md" in err and "Traceback" not in err, err
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.run(parser.parse_args(["--capacity"])) == 2
+    assert "python -m benchmarks.capacity" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------- end to end
@@ -336,6 +348,7 @@ def test_capacity_stage3_fits_more_layers_than_ddp(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- a killed run
 @pytest.mark.slow
+@pytest.mark.needs_root
 def test_a_terminated_run_removes_its_cgroups_and_its_ranks(tmp_path):
     """`kill PID` (SIGTERM) of a capacity run while a trial's ranks run in their cgroups: the run exits, its rank
     processes are gone and no cgroup of its own is left under this process's memory cgroup (a leftover one keeps
@@ -345,10 +358,11 @@ def test_a_terminated_run_removes_its_cgroups_and_its_ranks(tmp_path):
     import time
 
     support = _cgroups()
-    proc = subprocess.Popen([sys.executable, "-m", "hf_zero.tools.bench.capacity", "--width", "64", "--vocab", "128",
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.capacity", "--width", "64", "--vocab", "128",
                              "--budget", "1GiB", "--capacity-systems", "ddp", "--modes", "full", "--ranks", "2",
                              "--layers", "1", "--train-steps", "1000000", "--trial-timeout", "600"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root)  # as run from a checkout
     mine = f"hfz_capacity_{proc.pid}_"
     try:
         deadline = time.monotonic() + 300
@@ -375,7 +389,7 @@ def test_the_ranks_mmap_big_buffers_unless_told_otherwise():
     rank's peak by up to 0.4 GiB between neighbouring sizes); a value given is used, 0 leaves glibc's own."""
     import argparse
 
-    from hf_zero.tools.bench.capacity.cli import _mmap_threshold
+    from benchmarks.capacity.cli import _mmap_threshold
 
     assert _mmap_threshold(argparse.Namespace(malloc_mmap_threshold=None)) == 2**20
     assert _mmap_threshold(argparse.Namespace()) == 2**20

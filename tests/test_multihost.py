@@ -44,7 +44,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _hosts import ROOT, HostsUnavailable, TwoHosts, base_env, run_local
+from _hosts import ROOT, TwoHosts, base_env, run_local, two_hosts_or_skip
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "multihost_train.py")
@@ -64,10 +64,7 @@ FINETUNE_STEPS = 4
 # ------------------------------------------------------------------------------------------------ launching
 @pytest.fixture
 def two_hosts():
-    try:
-        hosts = TwoHosts()
-    except HostsUnavailable as exc:
-        pytest.skip(f"no two-host harness here: {exc}")
+    hosts = two_hosts_or_skip()  # skips with "needs root, ..." and what is missing
     with hosts:
         yield hosts
 
@@ -235,6 +232,7 @@ def train_on_two_hosts(hosts, launcher, api, configs, ending="end_training"):
 
 
 # ------------------------------------------------------------------------------------------------ the harness
+@pytest.mark.needs_root
 def test_harness_hosts_have_own_names_disks_and_addresses(two_hosts):
     h = two_hosts
     port = h.free_port(0)
@@ -298,11 +296,9 @@ def test_harness_hosts_have_own_names_disks_and_addresses(two_hosts):
     assert [r.returncode for r in info.value.runs][1] == 3 and "waiting" in str(info.value)
 
 
+@pytest.mark.needs_root
 def test_harness_teardown_removes_namespaces_and_folders():
-    try:
-        hosts = TwoHosts()
-    except HostsUnavailable as exc:
-        pytest.skip(f"no two-host harness here: {exc}")
+    hosts = two_hosts_or_skip()
     names, base = [hosts.netns(0), hosts.netns(1)], hosts._base
     with pytest.raises(ZeroDivisionError):
         with hosts:
@@ -317,6 +313,7 @@ def test_harness_teardown_removes_namespaces_and_folders():
 
 # ------------------------------------------------------------------------------------------------ training
 @pytest.mark.slow
+@pytest.mark.needs_root
 def test_accelerate_two_hosts_equal_one_host(two_hosts, single_host):
     ref = single_host("accelerate", STAGES)
     _, results = train_on_two_hosts(two_hosts, accelerate_on_two_hosts, "accelerate", STAGES)
@@ -325,6 +322,7 @@ def test_accelerate_two_hosts_equal_one_host(two_hosts, single_host):
 
 
 @pytest.mark.slow
+@pytest.mark.needs_root
 def test_trainer_two_hosts_equal_one_host(two_hosts, single_host):
     ref = single_host("trainer", STAGES, ending="return")
     # a Trainer script just returns: HfZeroAccelerator's exit hook closes the process group
@@ -334,6 +332,7 @@ def test_trainer_two_hosts_equal_one_host(two_hosts, single_host):
 
 
 @pytest.mark.slow
+@pytest.mark.needs_root
 def test_torchrun_two_hosts_stage3_equals_one_host(two_hosts, single_host):
     ref = single_host("accelerate", STAGES)[2]
     assert ref["config"] == {"stage": 3}
@@ -421,6 +420,7 @@ FIRST_LOSS_ATOL = 5e-6
 
 
 @pytest.mark.slow
+@pytest.mark.needs_root
 def test_zeropp_across_two_hosts_reduces_in_two_hops(two_hosts):
     """ZeRO++ (hpZ over the host, int8 weights, int4 gradients) across the two hosts, against plain single-process
     training (plain_training), never against another hf_zero run:
@@ -451,6 +451,7 @@ def test_zeropp_across_two_hosts_reduces_in_two_hops(two_hosts):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("attempt", ATTEMPTS)
+@pytest.mark.needs_root
 def test_two_hosts_stage3_ends_cleanly(two_hosts, single_host, attempt):
     """The reported failure: a two-host stage-3 run whose worker aborted at exit ("terminate called without an
     active exception", SIGABRT) while the other host sat in torchrun's exit barrier. Stage 3 alone, so nothing
@@ -484,6 +485,7 @@ def _finetune_args(output_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.needs_root
 def test_finetune_example_two_hosts_equals_one_host(two_hosts, tmp_path):
     h = two_hosts
     runs = h.run(accelerate_on_two_hosts(h, _finetune_args(os.path.join(h.disk, "run"))),

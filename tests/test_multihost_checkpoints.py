@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_file
 
 import test_export as ex
-from _hosts import ROOT, HostsUnavailable, TwoHosts, base_env, run_local, worker_logs
+from _hosts import ROOT, base_env, run_local, two_hosts_or_skip, worker_logs
 from test_multihost import (PEER_GRACE_S, RUN_TIMEOUT_S, SCRIPT as TRAIN_SCRIPT, accelerate_on_two_hosts,
                             assert_clean_exit, assert_ranks_on, load_results)
 
@@ -58,6 +58,7 @@ META = ["buffers.safetensors", "config.json", "generation_config.json", "manifes
 LEDGER_CONFIGS = [{"stage": 3}, {"stage": 3, "hpz_partition_size": "host"}, {"stage": 3, "shard_group_size": "host"},
                   {"stage": 2, "shard_group_size": "host"}, {"stage": 1, "shard_group_size": "host"}]
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+pytestmark = pytest.mark.needs_root  # every test runs on the two namespace hosts
 
 
 def _rank_file(p, count=WORLD):
@@ -67,10 +68,7 @@ def _rank_file(p, count=WORLD):
 # ------------------------------------------------------------------------------------------------ launching
 @pytest.fixture(scope="module")
 def hosts():
-    try:
-        h = TwoHosts()
-    except HostsUnavailable as exc:
-        pytest.skip(f"no two-host harness here: {exc}")
+    h = two_hosts_or_skip()  # skips with "needs root, ..." and what is missing
     with h:
         yield h
 

@@ -1,5 +1,6 @@
-"""hf-zero bench --capacity: the largest Llama each system trains within a per-rank memory budget (the paper's
-headline: ZeRO fits models that data parallelism cannot).
+"""`python -m benchmarks.capacity` (from a checkout; formerly `hf-zero bench --capacity`): the largest Llama each
+system trains within a per-rank memory budget (the paper's headline: ZeRO fits models that data parallelism cannot).
+Needs root for its memory cgroups (benchmarks/README.md); without them the budget is compared, not enforced.
 
 For each system, mode (full fine-tune, LoRA) and world size, layers are added to a Llama of fixed width and the
 largest layer count that trains `--train-steps` optimizer steps within `--budget` bytes per rank is searched

@@ -1,4 +1,4 @@
-"""`python -m hf_zero.tools.bench.capacity`: a capacity run, or one trial's rank (`--worker JOB --rank R`)."""
+"""`python -m benchmarks.capacity`: a capacity run, or one trial's rank (`--worker JOB --rank R`)."""
 import sys
 
 from .cli import main

@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from ..spawn import wait_bounded
+from hf_zero.tools.bench.spawn import wait_bounded
+
 from .cgroups import CgroupSupport, MemoryCgroup
 from .units import gib
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional
 
-from ..runner import log
-from ..spawn import error_summary
+from hf_zero.tools.bench.runner import log
+from hf_zero.tools.bench.spawn import error_summary
+
 from .estimate import Estimator
 from .search import Search, largest_fitting
 from .trials import RunOptions, Trial, run_trial

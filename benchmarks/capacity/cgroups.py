@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..runner import log
+from hf_zero.tools.bench.runner import log
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`hf-zero bench --capacity` (and `python -m hf_zero.tools.bench.capacity`): the capacity flags, the run over
+"""`python -m benchmarks.capacity` (formerly `hf-zero bench --capacity`): the capacity flags, the run over
 ranks x modes x systems (`run_capacity`), its table, JSON and plot."""
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..runner import log
+from hf_zero.tools.bench.runner import log
+
 from .budget import CGROUP_MODES
 from .cells import OVERHEAD_GUESS, Cell, measured_overhead, search_cell, seed_layers
 from .cgroups import memory_cgroup_support
@@ -61,9 +62,9 @@ def positive_int(text: str) -> int:
 
 
 def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
-    """The capacity run's flags, all distinct from `hf-zero bench`'s so that both share one parser; the two they
-    have in common, --seed and --malloc-mmap-threshold, are bench's (`add_shared_arguments` adds them standalone)."""
-    g = parser.add_argument_group("capacity (hf-zero bench --capacity)")
+    """The capacity run's flags, all distinct from `hf-zero bench`'s (they shared one parser before the capacity run
+    moved here); the two they have in common, --seed and --malloc-mmap-threshold, `add_shared_arguments` adds."""
+    g = parser.add_argument_group("capacity (python -m benchmarks.capacity)")
     count = _argument_type(positive_int, "positive integer")
     g.add_argument("--budget", type=parse_bytes, default=parse_bytes(DEFAULT_BUDGET), metavar="BYTES",
                    help=f"memory per rank, e.g. 1.5GiB, 1536MiB, 2e9 (default {DEFAULT_BUDGET}); enforced by a memory "
@@ -114,8 +115,7 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
                    help="plot measured against estimated layer counts (needs matplotlib)")
 
 def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
-    """The two flags a capacity run shares with `hf-zero bench` (which declares them itself): for the standalone
-    `python -m hf_zero.tools.bench.capacity`."""
+    """The two flags a capacity run shares with `hf-zero bench` (which declares them itself in its own parser)."""
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokens")
     parser.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
                         help="glibc's MALLOC_MMAP_THRESHOLD_ in every rank: buffers of at least BYTES are mmap'd and "
@@ -191,11 +191,11 @@ def _run_capacity(args: argparse.Namespace) -> int:
         if args.keep_weights and args.weights_dir is None:
             raise ValueError("--keep-weights keeps the random checkpoint in --weights-dir: name the folder")
         if args.capacity_plot:
-            from ..plot import check_matplotlib
+            from hf_zero.tools.bench.plot import check_matplotlib
 
             check_matplotlib()  # before the trials, not after
     except (ValueError, ImportError) as exc:
-        print(f"hf-zero bench --capacity: error: {exc}", file=sys.stderr)
+        print(f"python -m benchmarks.capacity: error: {exc}", file=sys.stderr)
         return 2
     support, why = (None, "--cgroups off") if args.cgroups == "off" else memory_cgroup_support()
     cgroups = args.cgroups if support is not None else "off"
@@ -270,14 +270,14 @@ def _run_capacity(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m hf_zero.tools.bench.capacity [flags]`, or a trial's rank (`--worker JOB --rank R`)."""
+    """`python -m benchmarks.capacity [flags]`, or a trial's rank (`--worker JOB --rank R`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
         from .worker import worker_main
 
         worker_main(argv[1], int(argv[3]))
         return 0
-    parser = argparse.ArgumentParser(prog="python -m hf_zero.tools.bench.capacity", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.capacity", description=DESCRIPTION)
     add_capacity_arguments(parser)
     add_shared_arguments(parser)
     return run_capacity(parser.parse_args(argv))

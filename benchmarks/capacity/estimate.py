@@ -13,7 +13,7 @@ from .weights import hf_config, model_config
 
 def _param_counts(shape: Dict[str, int], mode: str, lora_rank: int, layers: int) -> Tuple[int, int]:
     """(trainable, frozen) elements of the model at `layers` layers (built on the meta device)."""
-    from ....integrations.hf_models import meta_model
+    from hf_zero.integrations.hf_models import meta_model
 
     model = meta_model(hf_config(model_config(shape, layers)))
     model = apply_lora(model, mode, lora_rank)
@@ -66,14 +66,14 @@ class Estimator:
         return self._bytes[key](layers)
 
     def _exact(self, name: str, mode: str, world: int, layers: int) -> float:
-        from ...estimate.formulas import Recipe, model_state_bytes, recipe
+        from hf_zero.tools.estimate.formulas import Recipe, model_state_bytes, recipe
 
         system_name, dtype = parse_system(name)
         system = SYSTEMS[system_name]
         if system.family == "hf_zero":
-            from .... import ZeroConfig
-            from ....integrations.hf_models import meta_model
-            from ...estimate.plan import estimate_plan
+            from hf_zero import ZeroConfig
+            from hf_zero.integrations.hf_models import meta_model
+            from hf_zero.tools.estimate.plan import estimate_plan
 
             model = apply_lora(meta_model(hf_config(model_config(self.shape, layers))), mode, self.lora_rank)
             return float(estimate_plan(model, world, ZeroConfig(stage=system.stage, **dict(system.options)))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Dict, Iterator
 
-from ..base import Trainer, WorkerContext
-from ..trainers import DDPTrainer, FSDP2Trainer, HfZeroTrainer
+from hf_zero.tools.bench.base import Trainer, WorkerContext
+from hf_zero.tools.bench.trainers import DDPTrainer, FSDP2Trainer, HfZeroTrainer
+
 from .systems import SYSTEMS, apply_lora
 
 
@@ -30,7 +31,7 @@ class DeepSpeedCapacityTrainer(Trainer):
     def __init__(self, ctx: WorkerContext, stage: int, extra: Dict[str, Any], build: Callable[[], Any]) -> None:
         import torch
 
-        from ..deepspeed import deepspeed_config, skip_shm_op_build
+        from hf_zero.tools.bench.deepspeed import deepspeed_config, skip_shm_op_build
 
         import deepspeed
 
@@ -40,7 +41,7 @@ class DeepSpeedCapacityTrainer(Trainer):
         config = deepspeed_config(ctx, stage, extra)
         hf_ds = None
         if stage == 3:
-            from ....integrations.hf_models import deepspeed_zero3_config
+            from hf_zero.integrations.hf_models import deepspeed_zero3_config
 
             hf_ds = deepspeed_zero3_config(config)  # alive while the model is built: Transformers uses zero.Init
         model = build()
@@ -63,7 +64,7 @@ class DeepSpeedCapacityTrainer(Trainer):
         """DeepSpeed zeroes its own gradients in step()."""
 
     def state_bytes(self) -> int:
-        from ..deepspeed import model_state_bytes
+        from hf_zero.tools.bench.deepspeed import model_state_bytes
 
         return int(model_state_bytes(self.engine)["model_states"])
 
@@ -72,8 +73,8 @@ def _build_fsdp2(job: Dict[str, Any], ctx: WorkerContext, config, dtype) -> Trai
     """FSDP2 the torchtitan way: meta parameters (buffers computed), fully_shard, to_empty, shards initialised."""
     import torch
 
-    from .... import parameters_on_meta
-    from ....integrations.hf_models import causal_lm_from_config
+    from hf_zero import parameters_on_meta
+    from hf_zero.integrations.hf_models import causal_lm_from_config
 
     with parameters_on_meta(), default_dtype(dtype):
         model = apply_lora(causal_lm_from_config(config), job["mode"], job["lora_rank"])
@@ -100,7 +101,7 @@ def build_trainer(job: Dict[str, Any], ctx: WorkerContext) -> Trainer:
     """The trial's system (`job["system"]`) on this rank: its model built its way, in `job["mode"]`, wrapped."""
     import torch
 
-    from ....integrations.hf_models import causal_lm_from_config, config_from_dict
+    from hf_zero.integrations.hf_models import causal_lm_from_config, config_from_dict
 
     system = SYSTEMS[job["system"]]
     dtype = torch.bfloat16 if job["dtype"] == "bf16" else torch.float32
@@ -108,8 +109,8 @@ def build_trainer(job: Dict[str, Any], ctx: WorkerContext) -> Trainer:
     config.use_cache = False
     torch.manual_seed(int(job["seed"]))
     if system.family == "hf_zero":
-        from ....integrations.hf_models import auto_causal_lm
-        from ....integrations.pretrained import from_pretrained
+        from hf_zero.integrations.hf_models import auto_causal_lm
+        from hf_zero.integrations.pretrained import from_pretrained
 
         model = from_pretrained(auto_causal_lm(), job["weights"], torch_dtype=torch.float32)  # meta: no weights yet
         model = apply_lora(model, job["mode"], job["lora_rank"])

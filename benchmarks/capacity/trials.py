@@ -12,7 +12,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from ..spawn import error_summary, first_error
+from hf_zero.tools.bench.spawn import error_summary, first_error
+
+from ..procs import ROOT
 from .budget import run_ranks
 from .cgroups import CgroupSupport
 from .systems import SYSTEMS, parse_system
@@ -110,9 +112,12 @@ def run_trial(name: str, mode: str, world: int, layers: int, opts: RunOptions,
     job_path = os.path.join(out_dir, "job.json")
     with open(job_path, "w") as f:
         json.dump(job, f)
-    argvs = [[sys.executable, "-m", "hf_zero.tools.bench.capacity", "--worker", job_path, "--rank", str(r)]
+    argvs = [[sys.executable, "-m", "benchmarks.capacity", "--worker", job_path, "--rank", str(r)]
              for r in range(world)]
-    env = {"OMP_NUM_THREADS": str(opts.threads), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # the ranks run `python -m benchmarks.capacity`: the checkout's root on their path, whatever the working directory
+    path = [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
+    env = {"OMP_NUM_THREADS": str(opts.threads), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(path)}
     if opts.malloc_mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(opts.malloc_mmap_threshold)
     if system.family == "deepspeed":

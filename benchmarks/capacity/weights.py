@@ -27,7 +27,7 @@ def model_config(shape: Dict[str, int], layers: int) -> Dict[str, Any]:
 def tensor_specs(cfg: Dict[str, Any]) -> Tuple[List[Tuple[str, Tuple[int, ...]]], List[Tuple[str, Tuple[int, ...]]]]:
     """(the names and shapes outside the decoder layers, those of layer 0 with "{i}" for the index), read from the
     model itself built on the meta device at one layer."""
-    from ....integrations.hf_models import meta_model, quiet
+    from hf_zero.integrations.hf_models import meta_model, quiet
 
     quiet()
     model = meta_model(hf_config({**cfg, "num_hidden_layers": 1}))
@@ -42,7 +42,7 @@ def tensor_specs(cfg: Dict[str, Any]) -> Tuple[List[Tuple[str, Tuple[int, ...]]]
 
 def hf_config(cfg: Dict[str, Any]):
     """The Transformers config object of a config dict."""
-    from ....integrations.hf_models import config_from_dict
+    from hf_zero.integrations.hf_models import config_from_dict
 
     return config_from_dict(cfg)
 

@@ -1,4 +1,4 @@
-"""The rank side of a trial (`python -m hf_zero.tools.bench.capacity --worker JOB --rank R`): join the group, read
+"""The rank side of a trial (`python -m benchmarks.capacity --worker JOB --rank R`): join the group, read
 the runtime footprint, build the system (trainers.py), train the job's steps, and report each rank's peak RSS,
 model states and step times to rank 0's result file (spawn.py's worker_done / worker_failed)."""
 from __future__ import annotations
@@ -9,9 +9,10 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..base import Settings, Trainer, WorkerContext, init_worker_group
-from ..load import read_status
-from ..spawn import worker_done, worker_failed
+from hf_zero.tools.bench.base import Settings, Trainer, WorkerContext, init_worker_group
+from hf_zero.tools.bench.load import read_status
+from hf_zero.tools.bench.spawn import worker_done, worker_failed
+
 from .cgroups import own_cgroup_usage
 from .systems import SYSTEMS
 from .trainers import build_trainer
@@ -33,13 +34,13 @@ def _train_one(job: Dict[str, Any], rank: int) -> Dict[str, Any]:
     """One rank of one trial: join the group, build the system's model, train job["steps"] steps, report."""
     system = SYSTEMS[job["system"]]
     if system.family == "deepspeed":
-        from ..deepspeed import prepare_process
+        from hf_zero.tools.bench.deepspeed import prepare_process
 
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
     import torch.distributed as dist
 
-    from ....integrations.hf_models import quiet
+    from hf_zero.integrations.hf_models import quiet
 
     quiet()
     if job["mode"] == "lora":
@@ -94,7 +95,7 @@ def _train_one(job: Dict[str, Any], rank: int) -> Dict[str, Any]:
 
 
 def worker_main(job_path: str, rank: int) -> None:
-    """A rank process (`python -m hf_zero.tools.bench.capacity --worker JOB --rank R`)."""
+    """A rank process (`python -m benchmarks.capacity --worker JOB --rank R`)."""
     with open(job_path) as f:
         job = json.load(f)
     try:

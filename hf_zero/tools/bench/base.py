@@ -30,8 +30,8 @@ class Settings:
     ranks_per_host: Optional[int] = None  # --ranks-per-host: K of the hierarchical systems (None: the default)
     compile_backend: str = "inductor"  # --compile BACKEND (cli.py's default): what "<system>+compile" rows use
     profile_dir: Optional[str] = None  # --profile DIR: torch.profiler over the timed steps, a trace per rank there
-    hosts: int = 1  # --hosts 2: the ranks in two namespace hosts (multihost.py), half on each
-    link_rate: Optional[str] = None  # --link-rate: the rate of the link between those hosts (tc's units)
+    hosts: int = 1  # 2: the ranks in two namespace hosts (the checkout's benchmarks/two_hosts.py), half on each
+    link_rate: Optional[str] = None  # its --link-rate: the rate of the link between those hosts (tc's units)
 
     @property
     def tokens_per_step(self) -> int:
@@ -127,7 +127,7 @@ def local_nbytes(t) -> int:
 def init_worker_group(rank: int, world_size: int, port: int, threads: int, timeout_s: float,
                       master_addr: str = "127.0.0.1"):
     """A bench worker's process group (nccl on CUDA, else gloo) over a TCPStore on master_addr:port (hosted by the
-    parent, or by host A's launcher with --hosts); its device."""
+    parent, or by host A's launcher in benchmarks/two_hosts.py); its device."""
     import datetime
 
     import torch

@@ -342,10 +342,9 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES",
                         help="with --load: save_pretrained's max_shard_size (default: a quarter of the weights)")
     parser.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
-                        help="with --load or --capacity: set glibc's MALLOC_MMAP_THRESHOLD_ in the workers, so freed "
-                             "buffers of at least BYTES go back to the kernel at once and the peak RSS is the live "
-                             "peak (default with --load: glibc's dynamic threshold, which keeps freed chunks of up to "
-                             "32 MiB in the heap; with --capacity: 1048576, and 0 leaves glibc's own)")
+                        help="with --load: set glibc's MALLOC_MMAP_THRESHOLD_ in the workers, so freed buffers of at "
+                             "least BYTES go back to the kernel at once and the peak RSS is the live peak (default: "
+                             "glibc's dynamic threshold, which keeps freed chunks of up to 32 MiB in the heap)")
     parser.add_argument("--no-verify", action="store_true",
                         help="with --load: skip the (untimed) check of the loaded weights against the files")
 

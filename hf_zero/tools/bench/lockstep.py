@@ -10,7 +10,7 @@ round.
 
 Every system's model lives in every rank at once: this is for small models (the gpt2-5m preset). DeepSpeed's
 systems are left out (DeepSpeed keeps process-wide state, its comm backend and accelerator: one engine per
-process), as are --compile, --hosts, --profile and --plot.
+process), as are --compile, --profile, --plot and the two-host bench (benchmarks/two_hosts.py).
 """
 from __future__ import annotations
 

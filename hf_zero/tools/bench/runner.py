@@ -36,8 +36,9 @@ zero_quantized_gradients, skipped with the reason where its quantizer op does no
 the wire per step, intra- and inter-host: measured (hf_zero: the ledger per strategy, whose quantized strategies
 book codes and scales; DeepSpeed: the collectives it calls, by whether their group spans hosts) and, for hf_zero,
 by the formula (`formula_bytes_for_hosts`: elements x dtype bytes, or W x quantized_nbytes(P / W) for a quantized
-all-gather / reduce-scatter of P elements over W ranks). With `--hosts 2 --link-rate R` (multihost.py) every
-system runs on two namespace hosts over a rate-limited link, and rows say the rate.
+all-gather / reduce-scatter of P elements over W ranks). Under the checkout's `python -m benchmarks.two_hosts
+--link-rate R` (benchmarks/two_hosts.py, root) every system runs on two namespace hosts over a rate-limited link,
+and rows say the rate.
 
 Systems live in the SYSTEMS registry (systems.py: name -> SystemSpec, spec.py, with a builder); add peers there.
 A peer from an optional extra (DeepSpeed: `pip install deepspeed`) that cannot be imported gets a row with status
