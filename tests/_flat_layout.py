@@ -1,14 +1,14 @@
 """The flat layout and the model-state bytes per rank, counted here from first principles, never from hf_zero's
 planner (`plan_model`), so tests can check the planner, the estimator and memory_stats() against it.
 
-The layout rules (docs/architecture.md "The plan", DESIGN.md section 3): the units are the decoder layers (the classes
+The layout rules (docs/architecture.md "The plan"): the units are the decoder layers (the classes
 in `model._no_split_modules`, outermost only) plus one root unit for everything else; a parameter with names in two
 units (tied embeddings) belongs to the root. Inside a unit each kind of parameter (compute dtype, trainable) is one
 flat buffer, its parameters one after another in `named_parameters()` order; the tiny test models never reach the
 stage 0-2 bucket cap (25 MiB). The buffer is padded to a multiple of P (1 at stage 0, else N: the world size, or the
 group size K under HSDP), and rank r owns [r*S, (r+1)*S) with S = padded / P.
 
-Bytes per rank (the paper's (2 + 2 + K)Ψ and its partitions, section 2 of DESIGN.md, with Ψ the padded buffer):
+Bytes per rank (the paper's (2 + 2 + K)Ψ and its partitions, docs/memory.md, with Ψ the padded buffer):
 compute parameters whole at stages 0-2 and a 1/P shard at stage 3; gradients whole at stages 0-1 and a shard at 2-3
 (in fp32 unless grad_accum_dtype="compute"); a separate fp32 master shard only under mixed precision; Adam's two
 fp32 states per owned real element (never for padding) plus torch's 4-byte `step` per optimizer segment (one per

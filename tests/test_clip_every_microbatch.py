@@ -2,7 +2,7 @@
 accumulate()/no_sync(), not only when the gradients are synchronised. Such a call must finalise nothing: with a
 max_norm that is never reached, training is exactly the stock run's.
 
-What a clip inside no_sync() returns and does (README, "Clipping inside gradient accumulation"):
+What a clip inside no_sync() returns and does (docs/gradient_accumulation.md, "Clipping"):
 - stages 0/1: as DDP, the rank's local accumulated gradient: its local norm, clipped in place if over max_norm;
 - stages 2/3: the global norm of the reduce-scattered sums so far, scaled as the final average would be (sum/N),
   and those sums scaled in place if over max_norm.

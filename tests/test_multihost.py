@@ -428,7 +428,7 @@ def test_zeropp_across_two_hosts_reduces_in_two_hops(two_hosts):
       int8 and dequantized by the reference quantizer, within FIRST_LOSS_ATOL: qwZ's gather is exactly the stated
       quantizer (the per-step loss band below cannot see it: on this near-uniform tiny model, gathering every
       weight 10% too large moves the losses by 0.006);
-    - every loss stays within README's ZeRO++ bound (int4 gradients: 0.08) of plain training;
+    - every loss stays within docs/zeropp.md's ZeRO++ bound (int4 gradients: 0.08) of plain training;
     - qgZ reduces inside each host over the whole bucket, then across hosts over the host sums, so each
       reduce-scatter books P elements intra-host and P/2 inter-host; the backward's all-gathers stay inside the
       host (hpZ), the forward's cross it."""

@@ -1,7 +1,7 @@
 """ZeRO++'s quantized communication in the engine (qwZ: stage-3 weight all-gathers, qgZ: stage-2/3 gradient
 reduce-scatters; engine/collectives/quantized.py) at world sizes 2, 3 and 4.
 
-- Training stays within the bound README's accuracy table states of plain single-process training (the recipe of
+- Training stays within the bound docs/zeropp.md's accuracy table states of plain single-process training (the recipe of
   test_engine_equivalence: 4 AdamW steps, accumulation 3, clipping): per-step losses within BOUNDS, and the
   quantization is really on (the losses are not the exact ones).
 - What the ranks compute with is exactly the stated quantizer: after a qwZ all-gather, trainable weights (int8,
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow  # one spawn per world size trains ~8 engines: 40-
 
 WORLD_SIZES = (2, 3, 4)
 # The per-step loss gap to plain training allowed per option and code width: about 3x the largest gap measured on
-# these tiny models (4 steps, lr 1e-2, worlds 2-4; README "ZeRO++ accuracy"): int8 weights 0.006, int4 weights
+# these tiny models (4 steps, lr 1e-2, worlds 2-4; docs/zeropp.md "Accuracy"): int8 weights 0.006, int4 weights
 # 0.14 (int4 weights cost accuracy), int8 gradients 0.0004, int4 gradients 0.028 (with int8 weights), int8 frozen
 # weights under LoRA 0.0094.
 BOUNDS = {("quantized_weights", "int8"): 0.02, ("quantized_weights", "int4"): 0.4,
@@ -435,7 +435,7 @@ def test_trainable_weights_are_each_ranks_shard_quantized(dist_results, kind, bi
 
 def test_error_feedback_residuals_are_counted_in_memory_stats(dist_results):
     """qgZ's error feedback keeps an fp32 residual of every trainable group's whole bucket on every rank (the cost
-    README gives for keeping it off by default): memory_stats()["error_feedback"] = 4 bytes x the padded elements
+    docs/zeropp.md gives for keeping it off by default): memory_stats()["error_feedback"] = 4 bytes x the padded elements
     of the trainable groups, counted by tests/_flat_layout.py, and it is part of the buffers."""
     from _flat_layout import layout
 

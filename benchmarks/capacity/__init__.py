@@ -25,7 +25,7 @@ prediction for the same budget is printed beside each row: the largest layer cou
 paper's formulas for the peers and hf_zero's own plan (plan mode) for hf_zero; model states only, so the gap to the
 measurement is the runtime (Python, torch, the libraries), activations and buffers (gathered units, buckets).
 
-`--layers L` runs each system once at L layers instead of searching (the 7B demonstration in the README:
+`--layers L` runs each system once at L layers instead of searching (the 7B demonstration in docs/benchmarks.md:
 `--shape llama7b --layers 32 --modes lora --capacity-systems zero3-int8,...`).
 """
 from .budget import CGROUP_MODES, RanksOutcome, run_ranks

@@ -9,7 +9,7 @@ one rule of `RULES` (the "DeepSpeed key -> hf_zero option" table of docs/from_de
 - it belongs to the training loop, not to the engine (gradient accumulation, clipping, the micro-batch size):
   `DeepSpeedSettings.accelerator_kwargs()` / `training_arguments()` carry those, and the warning says where they go;
 - it asks for what hf_zero always does (`contiguous_gradients: true`, `overlap_comm: true`, ...): nothing to do;
-- it cannot be honoured (NVMe offload, qwZ / qgZ, DeepSpeed's optimizer section, ...), or it is a DeepSpeed tuning or
+- it cannot be honoured (NVMe offload, LoCo error feedback, DeepSpeed's optimizer section, ...), or it is a DeepSpeed tuning or
   logging knob with no counterpart (`sub_group_size`, `steps_per_print`, ...): named, with the reason, in ONE
   `DeepSpeedConfigWarning` per read. A key nobody knows is named too; nothing is dropped silently.
 

@@ -267,7 +267,7 @@ class ZeroEngine:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the (global) gradient to `max_norm` and return the global norm over all ranks' shards. Inside
         `no_sync()` it finalises nothing: stages 0/1 measure (and clip) the rank's local accumulated gradient, as
-        DDP does; stages 2/3 the reduce-scattered sums so far, scaled as the final average (see README)."""
+        DDP does; stages 2/3 the reduce-scattered sums so far, scaled as the final average (docs/gradient_accumulation.md)."""
         return self.optimizer.clip_grad_norm_(max_norm, norm_type)
 
     def zero_grad(self) -> None:

@@ -164,7 +164,7 @@ def _ask_zero(args: argparse.Namespace, defaults: Dict[str, Any], interactive: b
             values[o.name] = _ask(f"{o.question.text} [{o.kind.show(default)}]: ", o.parse, default)
     hierarchical = {"shard_group_size", "hpz_partition_size"} & given
     if interactive and num_machines > 1 and values["stage"] >= 1 and not hierarchical:
-        # several hosts: keep all-gathers inside a host (README "Multiple hosts")
+        # several hosts: keep all-gathers inside a host (docs/multihost.md)
         allowed = "none/hsdp/hpz" if values["stage"] == 3 else "none/hsdp"
         choice = _ask(f"{num_machines} machines: keep all-gathers inside each host? none, hsdp (partition per host, "
                       f"replicate across hosts){', hpz (stage 3: secondary per-host copy for the backward)' if values['stage'] == 3 else ''} ({allowed}) [none]: ",

@@ -119,7 +119,7 @@ OPTIONS: Tuple[Option, ...] = (
     Option("reduce_dtype", None, Choice(("fp32", "compute"), none="the default: fp32 under mixed precision"),
            'The dtype stage-2/3 gradient buckets are reduce-scattered in: "fp32" or "compute" (the compute dtype; '
            'fp16 buckets are divided by the world size before the sum so it cannot overflow N times sooner). '
-           'Default (None): "fp32" under fp16 and bf16 (a bf16 sum of N ranks loses bits: see the README), the '
+           'Default (None): "fp32" under fp16 and bf16 (a bf16 sum of N ranks loses bits: see docs/mixed_precision.md), the '
            'parameters\' own dtype otherwise. Stages 0/1 reduce their accumulator, in grad_accum_dtype.'),
     Option("reduce_bucket_size", 25 * 2**20, Bytes(),
            "Bytes per gradient bucket at stages 0-2 (C_B: constant, independent of model size).",

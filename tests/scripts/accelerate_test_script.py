@@ -2,7 +2,7 @@
 
 argv: STAGE. Its training checks compare distributed training with one-process SGD (same seed) to 1e-6; its bf16
 and fp16 sections assume Accelerate's convention (fp32 parameters under autocast), while hf_zero keeps bf16/fp16
-compute copies with the fp32 master in the optimizer (see the README): those two sections are switched off here
+compute copies with the fp32 master in the optimizer (see docs/mixed_precision.md): those two sections are switched off here
 and the mixed-precision recipe is tested against its single-process reference in tests/test_real_code.py.
 """
 import functools

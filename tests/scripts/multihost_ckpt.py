@@ -4,7 +4,7 @@ optimizer steps of 2 micro-batches, clipping at 1.0, fp32 AdamW, cosine schedule
     accelerate launch ... multihost_ckpt.py --api accelerate --out DIR --save-at 2        # the uninterrupted run
     accelerate launch ... multihost_ckpt.py --api accelerate --out DIR2 --resume DIR/state  # resume from it
 
-`--api accelerate`: an HfZeroAccelerator with `ProjectConfiguration(save_on_each_node=True)` (what the README asks
+`--api accelerate`: an HfZeroAccelerator with `ProjectConfiguration(save_on_each_node=True)` (what docs/checkpoints.md asks
 for on disks the hosts do not share). After `--save-at N` steps: `save_state(OUT/state)`, `steps.json` in it from
 every host's local main process, `export_pretrained(engine, OUT/export-stepN)` and (main process)
 `OUT/weights-stepN.safetensors` (get_state_dict). `--resume DIR`:
