@@ -1,5 +1,5 @@
-"""Shared pytest setup: the `slow` marker (`needs_root`'s is in pyproject.toml), the repository root on sys.path, one CPU thread for the
-references.
+"""Shared pytest setup: the repository root on sys.path, one CPU thread for the references, and the `needs_root` rule
+(both markers, `slow` and `needs_root`, are declared once, in pyproject.toml).
 
 `needs_root` tests (network namespaces: iproute2's ip / tc, unshare; memory cgroups) skip where the machine cannot
 give them what they need, with a reason that starts with "needs root" and names what is missing. With
@@ -20,10 +20,6 @@ if ROOT not in sys.path:
 REQUIRE_ROOT_TESTS = "HF_ZERO_REQUIRE_ROOT_TESTS"
 
 torch.set_num_threads(1)  # tiny models: threads only fight the gloo workers for the 2 cores
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes more than 60 s; deselect with -m 'not slow'")
 
 
 def _skip_reason(report) -> str:
