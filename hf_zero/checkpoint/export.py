@@ -31,9 +31,9 @@ import safetensors.torch as _st
 import torch
 import torch.distributed as dist
 
+from ..engine.state import full_group_values, group_layout
 from .layout import config_texts, dtype_name, model_config_texts, model_layout
 from .publish import check_target, fsync_tree, is_export, resolve, swap_into_place
-from .sharded import partition_comm, plan_manifest
 from .source import CheckpointError, CheckpointSource, read_manifests
 
 if TYPE_CHECKING:
@@ -160,22 +160,19 @@ class _FileReader:
 
 
 class _EngineReader:
-    """Online: all-gather one flat group at a time over the partition group (the master values for trainable
-    groups, as the sharded checkpoint stores them); rank 0 (partition 0 of the first replica) slices its tensors
-    out, the other ranks of its replica only take part. Other replicas hold the same shards and skip the
+    """Online: one flat group at a time gathered whole by the engine (`full_group_values`: the master values for
+    trainable groups, as the sharded checkpoint stores them); rank 0 (partition 0 of the first replica) slices its
+    tensors out, the other ranks of its replica only take part. Other replicas hold the same shards and skip the
     gathers."""
 
     def __init__(self, engine: "ZeroEngine") -> None:
         self.engine = engine
         self.rank0 = engine.comm.rank == 0
-        self.pcomm = partition_comm(engine)
-        self.gathers = self.pcomm.global_rank(0) == engine.comm.global_rank(0)  # rank 0's replica
+        self.gathers = engine.partition_comm.global_rank(0) == engine.comm.global_rank(0)  # rank 0's replica
         self._index: Optional[int] = None
         self._full: Optional[torch.Tensor] = None
         self.collective = True
         _, self.buffers = model_layout(engine)
-        self.values = {g.index: g.values for g in engine.shard_state().groups}
-        self.device = engine.device
 
     @torch.no_grad()
     def __call__(self, e: _Entry) -> Optional[torch.Tensor]:
@@ -186,14 +183,7 @@ class _EngineReader:
         gi = e.group["index"]
         if gi != self._index:
             self._full = None  # drop the previous group before gathering the next
-            src = self.values[gi]
-            padded = e.group["padded_numel"]
-            if src.numel() == padded:  # not partitioned
-                self._full = src
-            else:
-                local = src.to(self.device)
-                self._full = torch.empty(padded, dtype=local.dtype, device=self.device)
-                self.pcomm.all_gather(self._full, local, f"export group {gi}", async_op=False)
+            self._full = full_group_values(self.engine, gi, "export")
             self._index = gi
         if not self.rank0:
             return None
@@ -423,7 +413,7 @@ def _export_engine(engine: "ZeroEngine", out_dir: Path, model_config, tokenizer,
     multi = comm.distributed and comm.world_size > 1
     engine.wait()  # no reduction of the engine's may still be in flight beside the export's own collectives
     layout, _ = model_layout(engine)
-    entries = _entries(plan_manifest(engine), layout)
+    entries = _entries(group_layout(engine), layout)
     reader = _EngineReader(engine)
     reader.collective = multi
     error: Optional[str] = None

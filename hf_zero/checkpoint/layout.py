@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..engine.state import group_layout, state_dict_layout
+
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
 
@@ -32,38 +34,25 @@ def _tied_weight_patterns(model: nn.Module) -> List[str]:
     return out
 
 
-def persistent_buffers(model: nn.Module) -> Tuple[List[str], Dict[int, Tuple[torch.Tensor, List[str]]]]:
-    """model.state_dict()'s keys in order (walking modules as state_dict does, without calling it: the stage-3
-    guard refuses it) and the persistent buffers, each once with all its names."""
-    keys: List[str] = []
-    buffers: Dict[int, Tuple[torch.Tensor, List[str]]] = {}
-    extra = []
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        pre = f"{prefix}." if prefix else ""
-        for n, p in module._parameters.items():
-            if p is not None:
-                keys.append(pre + n)
-        for n, b in module._buffers.items():
-            if b is not None and n not in module._non_persistent_buffers_set:
-                keys.append(pre + n)
-                buffers.setdefault(id(b), (b, []))[1].append(pre + n)
-        if type(module).get_extra_state is not nn.Module.get_extra_state:
-            extra.append(pre + "_extra_state")
+def _warn_extra_state(model: nn.Module) -> None:
+    extra = [f"{prefix}._extra_state" if prefix else "_extra_state"
+             for prefix, module in model.named_modules(remove_duplicate=False)
+             if type(module).get_extra_state is not nn.Module.get_extra_state]
     if extra:
         logger.warning("hf_zero: %s keep extra state (get_extra_state); checkpoints and exports do not include it",
                        extra[:3])
-    return keys, buffers
 
 
 def model_layout(engine: "ZeroEngine") -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
     """The model's state-dict layout (for the manifest and the export) and its persistent buffers by name."""
     model = engine.model
-    keys, buffers = persistent_buffers(model)
-    slots = {s.name: s for g in engine.plan.groups for s in g.slots}
+    keys, buffers = state_dict_layout(model)
+    _warn_extra_state(model)
+    slots = {s["name"]: s for g in group_layout(engine) for s in g["slots"]}
     dtype = None
     for name, p in model.named_parameters():  # PreTrainedModel.dtype: the first floating parameter's dtype
-        if name in slots and slots[name].orig_dtype.is_floating_point:
-            dtype = dtype_name(slots[name].orig_dtype)
+        if name in slots and getattr(torch, slots[name]["dtype"]).is_floating_point:
+            dtype = slots[name]["dtype"]
             break
     can_generate = getattr(model, "can_generate", None)
     layout = {
@@ -71,14 +60,14 @@ def model_layout(engine: "ZeroEngine") -> Tuple[Dict[str, Any], Dict[str, torch.
         "transformers": hasattr(model, "save_pretrained") and hasattr(getattr(model, "config", None), "to_json_string"),
         "dtype": dtype,
         "can_generate": bool(can_generate()) if callable(can_generate) else False,
-        "num_parameters": sum(s.numel for s in slots.values()),
+        "num_parameters": sum(s["numel"] for s in slots.values()),
         "state_dict_keys": keys,
         "tied_weight_patterns": _tied_weight_patterns(model),
         "keys_to_ignore_on_save": sorted(getattr(model, "_keys_to_ignore_on_save", None) or []),
-        "buffers": [{"name": names[0], "aliases": names, "shape": list(b.shape), "dtype": dtype_name(b.dtype)}
-                    for b, names in buffers.values()],
+        "buffers": [{"name": b.names[0], "aliases": b.names, "shape": list(b.tensor.shape),
+                     "dtype": dtype_name(b.tensor.dtype)} for b in buffers],
     }
-    values = {names[0]: b for b, names in buffers.values()}
+    values = {b.names[0]: b.tensor for b in buffers}
     return layout, values
 
 

@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from . import hosts
-from .layout import dtype_name, persistent_buffers, model_config_texts, model_layout
+from ..engine.state import group_layout, partition, persistent_buffers
+from .layout import model_config_texts, model_layout
 from .publish import check_target, clean_leftovers, fsync_path, fsync_tree, is_checkpoint, remove, resolve, swap, unswap
 from .source import (BUFFERS_FILE, FORMAT_VERSION, MANIFEST, CheckpointError, CheckpointSource, rank_file,
                      read_manifest, save_identity, sha256)
@@ -66,25 +67,6 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def partition_comm(engine: "ZeroEngine") -> "Comm":
-    """The group the engine's shards are partitioned over (its rank is the partition index); the engine's own
-    group until the engine has a separate one (HSDP)."""
-    return getattr(engine, "partition_comm", engine.comm)
-
-
-def partition_of(engine: "ZeroEngine") -> Tuple[int, int]:
-    """(this rank's partition index, the number of partitions): what the rank's file is named by."""
-    count = engine.plan.partition_size
-    if count == 1:  # stage 0 (or one rank): nothing is split, every replica holds partition 0
-        return 0, 1
-    comm = partition_comm(engine)
-    if comm.world_size != count:
-        raise CheckpointError(f"the engine splits its groups {count} ways but its partition group has "
-                              f"{comm.world_size} ranks: engine.partition_comm must be the group the shards are "
-                              f"partitioned over")
-    return comm.rank, count
-
-
 def _where(comm: "Comm") -> Tuple[str, int]:
     """(host name, global rank) of this rank."""
     return hosts.host_name(), comm.global_rank(comm.rank)
@@ -102,7 +84,7 @@ def _exchange(comm: "Comm", obj: Any) -> List[Any]:
 
 
 # ---------------------------------------------------------------------------------------------- save
-def _partition_tensors(state: "ShardState", plans: List[Any]) -> Dict[str, torch.Tensor]:
+def _partition_tensors(state: "ShardState", groups: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
     """This rank's partition: per group the master (trainable) or compute (frozen) range and each optimizer
     state over it; per-parameter scalars (Adam's step) as one slot per group slot (NaN where the partition holds
     none of the parameter)."""
@@ -110,17 +92,17 @@ def _partition_tensors(state: "ShardState", plans: List[Any]) -> Dict[str, torch
     for g in state.groups:
         out[f"g{g.index}.values"] = g.values.detach().to("cpu").contiguous()
     for seg in state.segments:
-        gp = plans[seg.group]
+        slots = [s["name"] for s in groups[seg.group]["slots"]]
         for key, value in seg.state.items():
             if value.dim() == 0:
                 name = f"g{seg.group}.scalar.{key}"
                 if name not in out:
-                    out[name] = torch.full((len(gp.slots),), float("nan"), dtype=torch.float64)
-                out[name][[s.name for s in gp.slots].index(seg.slot)] = float(value)
+                    out[name] = torch.full((len(slots),), float("nan"), dtype=torch.float64)
+                out[name][slots.index(seg.slot)] = float(value)
             else:
                 name = f"g{seg.group}.state.{key}"
                 if name not in out:
-                    out[name] = torch.zeros(gp.shard_numel, dtype=value.dtype)
+                    out[name] = torch.zeros(groups[seg.group]["shard_numel"], dtype=value.dtype)
                 out[name][seg.start:seg.end] = value.detach().to("cpu").reshape(-1)
     return out
 
@@ -129,25 +111,6 @@ def _buffer_bytes(buffers: Dict[str, torch.Tensor]) -> bytes:
     """buffers.safetensors' content (copies: two buffers may share storage, which safetensors refuses)."""
     tensors = {name: b.detach().to("cpu", copy=True).contiguous() for name, b in buffers.items()}
     return _st.save(tensors, metadata={"format": "hf_zero-sharded"})
-
-
-def plan_manifest(engine: "ZeroEngine", state: Optional["ShardState"] = None) -> List[Dict[str, Any]]:
-    """The flat groups as the manifest records them (also the layout the online export reads)."""
-    state = state if state is not None else engine.shard_state()
-    master = {g.index: g.values.dtype for g in state.groups if g.trainable}
-    return [
-        {
-            "index": g.index, "unit": g.unit, "dtype": dtype_name(g.dtype), "trainable": g.trainable,
-            "numel": g.numel, "padded_numel": g.padded_numel, "shard_numel": g.shard_numel,
-            "master_dtype": dtype_name(master[g.index]) if g.trainable else None,
-            "slots": [
-                {"name": s.name, "aliases": list(s.aliases), "shape": list(s.shape),
-                 "dtype": dtype_name(s.orig_dtype), "offset": s.offset, "numel": s.numel}
-                for s in g.slots
-            ],
-        }
-        for g in engine.plan.groups
-    ]
 
 
 def _manifest(engine: "ZeroEngine", state: "ShardState", step: Optional[int], layout: Dict[str, Any],
@@ -161,7 +124,7 @@ def _manifest(engine: "ZeroEngine", state: "ShardState", step: Optional[int], la
         "stage": engine.config.stage,
         "config": engine.config.to_dict(),
         "step": step,
-        "groups": plan_manifest(engine, state),
+        "groups": group_layout(engine),
         "model": layout,
         "optimizer": {
             "class": state.optimizer_class,
@@ -237,7 +200,7 @@ class _Save:
         self.engine, self.dir, self.step, self.overwrite = engine, directory, step, overwrite
         self.comm = comm = engine.comm
         self.me = _whoami(comm)
-        self.partition, self.partitions = partition_of(engine)
+        self.partition, self.partitions = partition(engine)
         token = [uuid.uuid4().hex[:12]]
         if comm.distributed and comm.world_size > 1:
             dist.broadcast_object_list(token, src=comm.global_rank(0), group=comm.group)
@@ -310,7 +273,7 @@ class _Save:
             return None
         fname = rank_file(self.partition, self.partitions)
         path = self.tmp / fname
-        tensors = _partition_tensors(self.state, self.engine.plan.groups)
+        tensors = _partition_tensors(self.state, group_layout(self.engine))
         _st.save_file(tensors, str(path), metadata={"format": "hf_zero-sharded"})
         fsync_path(path)
         keys = list(tensors)
@@ -391,15 +354,14 @@ def save_checkpoint(engine: "ZeroEngine", directory: os.PathLike, step: Optional
 
 # ---------------------------------------------------------------------------------------------- load
 def _check_model(engine: "ZeroEngine", template: "ShardState", src: CheckpointSource, directory: Path) -> None:
-    mine = {s.name: s for g in engine.plan.groups for s in g.slots}
+    mine = {s["name"]: s for g in group_layout(engine) for s in g["slots"]}
     saved = {s["name"]: s for g in src.groups for s in g["slots"]}
     missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
-    shapes = [f"{n}: saved {saved[n]['shape']} vs model {list(mine[n].shape)}"
-              for n in sorted(set(mine) & set(saved)) if list(mine[n].shape) != saved[n]["shape"]]
+    shapes = [f"{n}: saved {saved[n]['shape']} vs model {mine[n]['shape']}"
+              for n in sorted(set(mine) & set(saved)) if mine[n]["shape"] != saved[n]["shape"]]
     saved_model = src.m.get("model")
     if saved_model is not None:  # format 2: persistent buffers too
-        _, buffers = persistent_buffers(engine.model)
-        mine_b = {names[0]: b for b, names in buffers.values()}
+        mine_b = {b.names[0]: b.tensor for b in persistent_buffers(engine.model)}
         saved_b = {b["name"]: b for b in saved_model["buffers"]}
         missing += [f"buffer {n}" for n in sorted(set(mine_b) - set(saved_b))]
         unexpected += [f"buffer {n}" for n in sorted(set(saved_b) - set(mine_b))]
@@ -428,14 +390,14 @@ def _check_param_groups(template: "ShardState", src: CheckpointSource, directory
                               f"{len(template.param_groups)}")
 
 
-def _needed_files(template: "ShardState", plans: List[Any], src: CheckpointSource) -> List[str]:
+def _needed_files(template: "ShardState", groups: List[Dict[str, Any]], src: CheckpointSource) -> List[str]:
     """The files this rank reads: those holding its owned ranges, and the buffers' file."""
     needed = set()
     for g in template.groups:
-        for slot in plans[g.index].slots:
-            a, b = max(g.lo, slot.offset), min(g.hi, slot.offset + slot.numel)
+        for slot in groups[g.index]["slots"]:
+            a, b = max(g.lo, slot["offset"]), min(g.hi, slot["offset"] + slot["numel"])
             if a < b:
-                needed.update(src.files_for(slot.name, a - slot.offset, b - slot.offset))
+                needed.update(src.files_for(slot["name"], a - slot["offset"], b - slot["offset"]))
     if (src.m.get("model") or {}).get("buffers"):
         needed.add(src.buffers_file())
     return sorted(needed)
@@ -447,19 +409,20 @@ def _stage(engine: "ZeroEngine", src: CheckpointSource, directory: Path) -> "Sha
     template = engine.shard_state()
     _check_model(engine, template, src, directory)
     _check_param_groups(template, src, directory)
-    plans = engine.plan.groups
-    for fname in _needed_files(template, plans, src):
+    groups = group_layout(engine)
+    for fname in _needed_files(template, groups, src):
         src.open_file(fname)
     state_keys = {g["index"]: _keys(src, g, "state") for g in src.groups}
     scalar_keys = {g["index"]: _keys(src, g, "scalar") for g in src.groups}
-    groups = []
+    shards = []
     for g in template.groups:  # every group's owned range, parameter by parameter (padding stays zero)
         values = torch.zeros(g.hi - g.lo, dtype=g.values.dtype)
-        for slot in plans[g.index].slots:
-            a, b = max(g.lo, slot.offset), min(g.hi, slot.offset + slot.numel)
+        for slot in groups[g.index]["slots"]:
+            a, b = max(g.lo, slot["offset"]), min(g.hi, slot["offset"] + slot["numel"])
             if a < b:
-                values[a - g.lo:b - g.lo].copy_(src.read(slot.name, "values", a - slot.offset, b - slot.offset))
-        groups.append(dataclasses.replace(g, values=values))
+                values[a - g.lo:b - g.lo].copy_(src.read(slot["name"], "values", a - slot["offset"],
+                                                         b - slot["offset"]))
+        shards.append(dataclasses.replace(g, values=values))
     segments = []
     for seg in template.segments:  # optimizer state, segment by segment
         lo, hi = seg.param_lo, seg.param_lo + (seg.end - seg.start)  # the segment's range inside the parameter
@@ -476,7 +439,7 @@ def _stage(engine: "ZeroEngine", src: CheckpointSource, directory: Path) -> "Sha
         segments.append(dataclasses.replace(seg, state=state))
     saved_model = src.m.get("model")
     buffers = {b["name"]: src.buffer(b["name"]) for b in saved_model["buffers"]} if saved_model is not None else {}
-    return dataclasses.replace(template, groups=groups, segments=segments, buffers=buffers,
+    return dataclasses.replace(template, groups=shards, segments=segments, buffers=buffers,
                                param_groups=[dict(hp) for hp in src.m["optimizer"]["param_groups"]],
                                loss_scaler=src.m.get("loss_scaler") if template.loss_scaler is not None else None)
 

@@ -25,7 +25,7 @@ from .optimizer import ZeroOptimizer, check_elementwise
 from .planning import ShardPlan, find_unit_modules, plan_model
 from .reducer import Reducer
 from .scaler import LossScaler
-from .state import ShardState, apply_shard_state, capture_shard_state
+from .state import ShardState, apply_shard_state, capture_shard_state, full_group_values
 from .topology import Topology, build_topology
 from .weights import WeightsError
 
@@ -341,13 +341,7 @@ class ZeroEngine:
         rank0 = self.comm.rank == 0
         values: Dict[str, torch.Tensor] = {}
         for g in self.groups:
-            src = g.master if g.plan.trainable else g.frozen_values()
-            if g.plan.shard_numel == g.plan.padded_numel:  # not partitioned
-                full = src
-            else:
-                local = src.to(self.device)
-                full = torch.empty(g.plan.padded_numel, dtype=local.dtype, device=self.device)
-                self.partition_comm.all_gather(full, local, f"full_state_dict group {g.plan.index}", async_op=False)
+            full = full_group_values(self, g.plan.index, "full_state_dict")
             if rank0:
                 for slot in g.plan.slots:
                     view = full[slot.offset:slot.offset + slot.numel].view(slot.shape)

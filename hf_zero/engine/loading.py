@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .planning import GroupPlan, ShardPlan, Slot
+from .state import PersistentBuffer, persistent_buffers
 from .weights import PretrainedWeights, TensorEntry, WeightSource, WeightsError, meta_copy
 
 logger = logging.getLogger("hf_zero")
@@ -45,15 +46,6 @@ def resolve_weights(weights: Weights, model: nn.Module) -> Optional[Tuple[Pretra
     return None
 
 
-def _persistent_buffers(model: nn.Module) -> Dict[str, Tuple[nn.Module, str]]:
-    out = {}
-    for mname, module in model.named_modules():
-        for bname, buf in module._buffers.items():
-            if buf is not None and bname not in module._non_persistent_buffers_set:
-                out[f"{mname}.{bname}" if mname else bname] = (module, bname)
-    return out
-
-
 class ShardLoader:
     """Reads one flat group's initial values at a time from a WeightSource (see the module docstring)."""
 
@@ -72,8 +64,11 @@ class ShardLoader:
         for g in plan.groups:
             for s in g.slots:
                 self.key_of[s.name] = next((self._key(a) for a in s.aliases if self._key(a) in keys), None)
-        self.buffers = {self._key(n): v for n, v in _persistent_buffers(model).items()}
-        known = {self._key(a) for g in plan.groups for s in g.slots for a in s.aliases} | set(self.buffers)
+        # persistent buffer -> the key in the files (any of its names), as for the parameters
+        self.buffers: List[Tuple[PersistentBuffer, Optional[str]]] = [
+            (b, next((self._key(n) for n in b.names if self._key(n) in keys), None)) for b in persistent_buffers(model)]
+        known = {self._key(a) for g in plan.groups for s in g.slots for a in s.aliases}
+        known |= {self._key(n) for b, _ in self.buffers for n in b.names}
         ignored = [re.compile(p) for p in record.ignore_unexpected]
         unexpected = sorted(k for k in keys - known if not any(p.search(k) for p in ignored))
         if unexpected:
@@ -99,13 +94,13 @@ class ShardLoader:
     def load_buffers(self) -> None:
         """Persistent buffers come from the files when they hold them; a buffer still on the meta device is an
         error (it was built with the parameters under torch.device('meta'))."""
-        for name, (module, bname) in self.buffers.items():
-            buf = module._buffers[bname]
-            if name in self.keys:
-                e = self.source.entry(name)
-                value = self._read(name, e).view(e.shape).to(buf.dtype)
-                self._replaced_buffers.append((module, bname, buf))
-                module._buffers[bname] = value
+        for b, key in self.buffers:
+            if key is not None:
+                e = self.source.entry(key)
+                value = self._read(key, e).view(e.shape).to(b.tensor.dtype)
+                for module, bname in b.owners:  # every module sharing the buffer gets the one new tensor
+                    self._replaced_buffers.append((module, bname, module._buffers[bname]))
+                    module._buffers[bname] = value
         for mname, module in self.model.named_modules():
             for bname, buf in module._buffers.items():
                 if buf is not None and buf.device.type == "meta":

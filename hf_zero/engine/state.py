@@ -9,13 +9,20 @@ the model's persistent buffers. The checkpoint package reads and writes engine s
 A load is all or nothing: the checkpoint reads and checks every file into a staged `ShardState` first, the ranks
 agree, and only then `apply_shard_state` changes the engine. It checks the staged state against the engine's own
 layout before it changes anything, so a mismatch raises with the engine untouched.
+
+The rest of the door is what a checkpoint or an export asks besides the values: the flat groups' layout as plain
+data (`group_layout`), which partition this rank holds (`partition`), a group's whole values gathered
+(`full_group_values`, which `full_state_dict` uses too) and the model's persistent buffers (`state_dict_layout`,
+`persistent_buffers`: the one walk over them, which the loader uses as well). Nothing outside engine/ reads the
+plan itself.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch import nn
 
 ZeroEngine = Any  # engine.py imports this file; the functions below take its ZeroEngine
 
@@ -58,16 +65,81 @@ class ShardState:
     buffers: Dict[str, torch.Tensor] = field(default_factory=dict)  # persistent buffers by state-dict name
 
 
-def _persistent_buffers(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    out: Dict[str, torch.Tensor] = {}
-    seen = set()
-    for mname, module in model.named_modules(remove_duplicate=False):
-        for bname, buf in module._buffers.items():
-            if buf is None or bname in module._non_persistent_buffers_set or id(buf) in seen:
-                continue
-            seen.add(id(buf))
-            out[f"{mname}.{bname}" if mname else bname] = buf
-    return out
+@dataclass
+class PersistentBuffer:
+    """One persistent buffer tensor of a model: its `model.state_dict()` names in order (several when modules
+    share it; `names[0]` is the one checkpoints keep it under) and the (module, attribute) of each name."""
+
+    tensor: torch.Tensor
+    names: List[str]
+    owners: List[Tuple[nn.Module, str]]
+
+
+def state_dict_layout(model: nn.Module) -> Tuple[List[str], List[PersistentBuffer]]:
+    """model.state_dict()'s keys in order (walking the modules as state_dict does, without calling it: the stage-3
+    guard refuses it) and its persistent buffers, each tensor once with all its names, in state-dict order."""
+    keys: List[str] = []
+    buffers: Dict[int, PersistentBuffer] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        pre = f"{prefix}." if prefix else ""
+        keys.extend(pre + n for n, p in module._parameters.items() if p is not None)
+        for n, b in module._buffers.items():
+            if b is not None and n not in module._non_persistent_buffers_set:
+                keys.append(pre + n)
+                entry = buffers.setdefault(id(b), PersistentBuffer(b, [], []))
+                entry.names.append(pre + n)
+                entry.owners.append((module, n))
+    return keys, list(buffers.values())
+
+
+def persistent_buffers(model: nn.Module) -> List[PersistentBuffer]:
+    """The model's persistent buffers (see `state_dict_layout`)."""
+    return state_dict_layout(model)[1]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def group_layout(engine: ZeroEngine) -> List[Dict[str, Any]]:
+    """The flat groups as plain (JSON) data, in index order: what a checkpoint manifest records and an export
+    slices. Per group its index, unit, dtype, trainability, sizes (numel, padded, per partition), the master's
+    dtype, and per parameter slot its names, shape, original dtype and place (offset, numel) in the flat space."""
+    return [
+        {
+            "index": g.index, "unit": g.unit, "dtype": _dtype_name(g.dtype), "trainable": g.trainable,
+            "numel": g.numel, "padded_numel": g.padded_numel, "shard_numel": g.shard_numel,
+            "master_dtype": _dtype_name(fg.master.dtype) if g.trainable else None,
+            "slots": [
+                {"name": s.name, "aliases": list(s.aliases), "shape": list(s.shape),
+                 "dtype": _dtype_name(s.orig_dtype), "offset": s.offset, "numel": s.numel}
+                for s in g.slots
+            ],
+        }
+        for g, fg in zip(engine.plan.groups, engine.groups)
+    ]
+
+
+def partition(engine: ZeroEngine) -> Tuple[int, int]:
+    """(this rank's partition index, the number of partitions the flat groups are split into): 0 of 1 when
+    nothing is split (stage 0, one rank), else the rank in the partition group (K ranks under HSDP)."""
+    count = engine.plan.partition_size
+    return (0, 1) if count == 1 else (engine.partition_comm.rank, count)
+
+
+@torch.no_grad()
+def full_group_values(engine: ZeroEngine, index: int, purpose: str) -> torch.Tensor:
+    """Collective over the partition group when the group is partitioned: group `index`'s whole flat values
+    (padded; the master for trainable groups, the compute values for frozen ones) on the engine's device; the
+    rank's own tensor when nothing is partitioned. `purpose` names the all-gather in the ledger."""
+    g = engine.groups[index]
+    src = g.master if g.plan.trainable else g.frozen_values()
+    if g.plan.shard_numel == g.plan.padded_numel:  # not partitioned
+        return src
+    local = src.to(engine.device)
+    full = torch.empty(g.plan.padded_numel, dtype=local.dtype, device=engine.device)
+    engine.partition_comm.all_gather(full, local, f"{purpose} group {g.plan.index}", async_op=False)
+    return full
 
 
 def capture_shard_state(engine: ZeroEngine) -> ShardState:
@@ -88,7 +160,7 @@ def capture_shard_state(engine: ZeroEngine) -> ShardState:
         optimizer_class=opt.user_optimizer_class.__name__,
         param_group_of={name_of[id(p)]: gi for gi, grp in enumerate(opt.param_groups) for p in grp["params"]},
         loss_scaler=engine.scaler.state_dict() if engine.scaler is not None else None,
-        buffers=_persistent_buffers(engine.model),
+        buffers={b.names[0]: b.tensor for b in persistent_buffers(engine.model)},
     )
 
 
