@@ -24,6 +24,7 @@ the all-reduce of the owned range over the replicas, so the shard holds the sum 
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Dict, List, Optional, Protocol
 
 import torch
@@ -40,6 +41,21 @@ def _enclosing_node():
     runs inside a node's backward, e.g. torch.utils.checkpoint with use_reentrant=True)."""
     current = getattr(torch._C, "_current_autograd_node", None)
     return current() if current is not None else None
+
+
+def weak_hook(method: Callable) -> Callable:
+    """`method` (a bound method) as a hook that holds its object weakly, for hooks that torch keeps in C++ where the
+    garbage collector cannot see them (a parameter's post-accumulate-grad hooks, a tensor's or a node's hooks): a
+    strong reference there would close a cycle (parameter -> hook -> reducer -> flat group -> parameter) that no
+    collection frees, keeping every engine and model alive until exit. Once the object is gone the hook does
+    nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return hook
 
 
 class ReduceRoute(Protocol):
@@ -93,7 +109,8 @@ class Reducer:
         self._callback_queued = False
         self.finalized = False
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad) for st in self.states for p in st.group.params
+            p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
+            for st in self.states for p in st.group.params
         ]
 
     def remove_hooks(self) -> None:
