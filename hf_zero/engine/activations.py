@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from .comm import Comm
+from .exit import hold
 
 logger = logging.getLogger("hf_zero")
 
@@ -57,6 +58,13 @@ class CheckpointStore:
         self.parts = self.comm.world_size if self.comm is not None else 1
         self.rank = self.comm.rank if self.comm is not None else 0
         self.cpu = cpu
+        if group is not None:
+            hold(self)  # at exit the group is dropped (engine/exit.py)
+
+    def release_groups(self) -> None:
+        """Drop the model-parallel group (at exit, engine/exit.py): a partitioned checkpoint unpacked afterwards
+        raises."""
+        self.group = self.comm = None
 
     def _partitions(self, x: torch.Tensor) -> bool:
         return self.parts > 1 and x.is_floating_point() and x.numel() >= self.parts

@@ -115,6 +115,27 @@ def no_code_from_files(opt_in: str, trust: bool = False) -> Iterator[List[Untrus
         torch.load = original
 
 
+def _import_before_the_group(module: str) -> None:
+    """Import `module` (if installed) before the process group exists. Accelerate imports DeepSpeed where it is
+    installed (`unwrap_model`, during `prepare`), and `deepspeed.comm.torch` binds `group=GroupMember.WORLD` as a
+    default when imported: after init_process_group it would hold the world group, and gloo's threads, into the
+    interpreter's finalization (DeepSpeed's bug, engine/exit.py). Imported now, those defaults bind None."""
+    import importlib
+    import importlib.util
+    import sys
+
+    import torch.distributed as dist
+
+    if module in sys.modules or (dist.is_available() and dist.is_initialized()):
+        return  # too late (or already done): nothing hf_zero can do without rewriting DeepSpeed's defaults
+    try:
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            return
+        importlib.import_module(module)
+    except Exception as exc:  # a broken DeepSpeed install: Accelerate will say so itself if it needs it
+        logger.debug("hf_zero: importing %s before the process group failed (%s)", module, exc)
+
+
 class HfZeroAccelerator(Accelerator):
     """Accelerator whose `prepare` shards model and optimizer with ZeRO.
 
@@ -139,6 +160,7 @@ class HfZeroAccelerator(Accelerator):
         # A distributed launch on a machine with no GPU must become a gloo world, not N one-process runs.
         if _launched_world_size() > 1 and not torch.cuda.is_available():
             kwargs.setdefault("cpu", True)
+        _import_before_the_group("deepspeed.comm.torch")
         super().__init__(*args, mixed_precision="no", **kwargs)
         if self.num_processes != _launched_world_size():
             raise RuntimeError(

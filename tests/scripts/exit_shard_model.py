@@ -28,6 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# hf_zero before the process group, as a script imports it: torch.distributed.nn.functional (which torch._dynamo
+# imports when the optimizer is built) then binds its `group=group.WORLD` defaults to None instead of the world group,
+# which they would otherwise hold into finalization (upstream's bug; hf_zero/engine/exit.py, docs/engine.md)
+import hf_zero  # noqa: F401
+
 
 class Block(nn.Module):
     """Follows Transformers' convention: with `gradient_checkpointing` set it runs through
