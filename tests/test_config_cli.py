@@ -417,3 +417,45 @@ def test_from_deepspeed_errors_exit_2(tmp_path, capsys, monkeypatch, data, flags
     assert main(["config", "--yes", "--from-deepspeed", ds, *flags, *paths]) == 2
     assert message in capsys.readouterr().err
     assert not acc.exists() and not zero.exists()
+
+
+@pytest.mark.parametrize("flags, answers, expected, says", [
+    (["--stage", "3"], ["hpz"], {"hpz_partition_size": "host", "shard_group_size": None}, ""),
+    (["--stage", "2"], ["HSDP"], {"hpz_partition_size": None, "shard_group_size": "host"}, ""),
+    (["--stage", "2"], ["ring", ""], {"hpz_partition_size": None, "shard_group_size": None}, "Not allowed"),
+    (["--stage", "2"], ["hpz"], {"hpz_partition_size": None, "shard_group_size": None},
+     "hpz_partition_size='host' needs stage 3"),
+    (["--stage", "0"], [], {"hpz_partition_size": None, "shard_group_size": None}, ""),  # not asked
+    (["--stage", "3", "--shard-group-size", "2"], [], {"hpz_partition_size": None, "shard_group_size": 2}, ""),
+])
+def test_several_machines_ask_the_hierarchy_question(monkeypatch, capsys, flags, answers, expected, says):
+    """hf-zero config on several machines asks the declared `hierarchy` question once the stage allows it; an answer
+    sets its option to "host" if that option's own requirements are met, and says why not otherwise."""
+    import argparse
+
+    from hf_zero.integrations import config_cli
+    from hf_zero.options import PLUGIN
+
+    parser = argparse.ArgumentParser()
+    config_cli.add_arguments(parser)
+    args = parser.parse_args(flags)
+    asked = []
+
+    def answer(prompt):
+        asked.append(prompt)
+        if "machines" not in prompt:
+            return ""  # every other question: its default
+        return answers[sum("machines" in p for p in asked) - 1]
+
+    monkeypatch.setattr("builtins.input", answer)
+    values = config_cli._ask_zero(args, {o.name: o.default for o in PLUGIN}, True, num_machines=2)
+    assert {k: values[k] for k in expected} == expected
+    hierarchy_prompts = [p for p in asked if "machines" in p]
+    assert len(hierarchy_prompts) == len(answers)
+    if answers:
+        assert hierarchy_prompts[0].startswith("2 machines: keep all-gathers inside each host?")
+        assert hierarchy_prompts[0].endswith("(none/hsdp/hpz) [none]: ")
+    out = capsys.readouterr().out
+    assert says in out
+    if "needs stage 3" in says:
+        assert "keeping the plain stage" in out

@@ -28,12 +28,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..options import BY_NAME, PLUGIN, QUESTIONS, Choice, Flag, Integer, Option, asked, unmet
+from ..options import BY_NAME, HIERARCHICAL, PLUGIN, QUESTIONS, Choice, Flag, Integer, Option, asked, unmet
 from .launch_plan import MIXED_PRECISION, distributed_type_name as _dt, launch_plan
 
 # flags that describe the Accelerate side: given any of them (or --yes), Accelerate's questionnaire is skipped
 _ACCELERATE_FLAGS = ("num_processes", "mixed_precision", "cpu")
-HIERARCHY = ("none", "hsdp", "hpz")
 
 
 class ConfigAbort(Exception):
@@ -52,7 +51,6 @@ def _parser(kind: Any, label: str) -> Callable[[str], Any]:
 
 _parse_mixed_precision = _parser(Choice(MIXED_PRECISION), "mixed precision")
 _parse_num_processes = _parser(Integer(1, "processes in the world"), "num processes")
-_parse_hierarchy = _parser(Choice(HIERARCHY), "hierarchical partitioning")
 
 
 def _yes_no(label: str) -> Callable[[str], bool]:
@@ -162,19 +160,20 @@ def _ask_zero(args: argparse.Namespace, defaults: Dict[str, Any], interactive: b
         if interactive:
             default = values[o.name]
             values[o.name] = _ask(f"{o.question.text} [{o.kind.show(default)}]: ", o.parse, default)
-    hierarchical = {"shard_group_size", "hpz_partition_size"} & given
-    if interactive and num_machines > 1 and values["stage"] >= 1 and not hierarchical:
-        # several hosts: keep all-gathers inside a host (docs/multihost.md)
-        allowed = "none/hsdp/hpz" if values["stage"] == 3 else "none/hsdp"
-        choice = _ask(f"{num_machines} machines: keep all-gathers inside each host? none, hsdp (partition per host, "
-                      f"replicate across hosts){', hpz (stage 3: secondary per-host copy for the backward)' if values['stage'] == 3 else ''} ({allowed}) [none]: ",
-                      _parse_hierarchy, "none")
-        if choice == "hsdp":
-            values["shard_group_size"] = "host"
-        elif choice == "hpz" and values["stage"] == 3:
-            values["hpz_partition_size"] = "host"
-        elif choice == "hpz":
-            print("  hpz needs stage 3: keeping the plain stage")
+    hierarchy = BY_NAME["hierarchy"]  # several hosts: keep all-gathers inside a host (docs/multihost.md)
+    if interactive and num_machines > 1 and not set(HIERARCHICAL.values()) & given and asked(hierarchy, values):
+        choice = _ask(f"{num_machines} machines: {hierarchy.question.text} [{hierarchy.default}]: ", hierarchy.parse,
+                      hierarchy.default)
+        if choice in HIERARCHICAL:
+            target = BY_NAME[HIERARCHICAL[choice]]
+            chosen = dict(values, **{target.name: "host"})
+            req = unmet(target, chosen)
+            if req is None:
+                values = chosen
+            else:  # the option's own requirement says why (hpz: stage 3)
+                why = req.message.format(name=target.name, value="host", other=req.other,
+                                         other_value=chosen[req.other])
+                print(f"  {why.rstrip('.')}: keeping the plain stage")
     return values
 
 

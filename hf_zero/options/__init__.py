@@ -28,7 +28,8 @@ from .kinds import Bytes, Choice, ClassNames, Flag, GroupSize, Integer, Kind, Nu
 
 __all__ = ["OPTIONS", "BY_NAME", "ENGINE", "PLUGIN", "QUESTIONS", "Option", "Requirement", "Question", "Kind", "Choice",
            "Integer", "Bytes", "Number", "GroupSize", "Flag", "ClassNames", "ZeroConfigError", "check_values", "unmet",
-           "asked", "declare", "args_doc", "markdown", "section_markers", "page_section", "replace_page_section"]
+           "asked", "declare", "args_doc", "markdown", "section_markers", "page_section", "replace_page_section",
+           "HIERARCHICAL", "QUANTIZATION_BITS", "bits"]
 
 # ------------------------------------------------------------------------------------------------ declarations
 @dataclass(frozen=True)
@@ -101,7 +102,10 @@ class Option:
 
 _DTYPE_CHOICE = Choice(("fp32", "compute"))
 _OFFLOAD = Choice(("none", "cpu"), aliases=((None, "none"), (False, "none")))
-_QUANTIZED = Choice(("none", "int8", "int4"), aliases=((None, "none"), (False, "none")))
+QUANTIZATION_BITS = {"int8": 8, "int4": 4}  # the quantized options' values and their code widths (`bits`)
+_QUANTIZED = Choice(("none",) + tuple(QUANTIZATION_BITS), aliases=((None, "none"), (False, "none")))
+# `hierarchy`'s answers and the option each one sets to "host"
+HIERARCHICAL = {"hsdp": "shard_group_size", "hpz": "hpz_partition_size"}
 
 OPTIONS: Tuple[Option, ...] = (
     Option("stage", 2, Choice((0, 1, 2, 3), what="is not a ZeRO stage"),
@@ -220,6 +224,15 @@ OPTIONS: Tuple[Option, ...] = (
            "gradient before quantizing (error feedback), so the error does not accumulate over steps.",
            requires=(Requirement("quantized_gradients", ("int8", "int4"), "{name}=True needs quantized_gradients "
                                  "'int8' or 'int4' (it corrects their quantization error); got {other_value!r}."),)),
+    Option("hierarchy", "none", Choice(("none",) + tuple(HIERARCHICAL)),
+           '`hf-zero config` on several machines: keep all-gathers inside each host. "hsdp" writes '
+           'shard_group_size="host", "hpz" hpz_partition_size="host" (each with its own requirements); "none" the '
+           'plain stage. Not a setting of its own: flags or keys for either option skip the question.',
+           engine=False, plugin=False, label="hierarchical partitioning",
+           question=Question("keep all-gathers inside each host? none, hsdp (partition per host, replicate across "
+                             "hosts), hpz (stage 3: secondary per-host copy for the backward) (none/hsdp/hpz)", 90),
+           requires=(Requirement("stage", (1, 2, 3), "{name}={value!r} needs stage 1-3 (stage 0 partitions "
+                                 "nothing)"),)),
 )
 
 BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
@@ -248,6 +261,11 @@ def unmet(option: Option, values: Mapping[str, Any]) -> Optional[Requirement]:
     """The first requirement of `option` that `values` (which must hold the other options) do not meet."""
     return next((r for r in option.requires if r.other in values
                  and not r.met(values[r.other], BY_NAME[r.other].default)), None)
+
+
+def bits(value: Any) -> int:
+    """The code width of a quantized option's value: 8 for "int8", 4 for "int4", 0 for "none" (or None, False)."""
+    return QUANTIZATION_BITS.get(_QUANTIZED.check("quantization", value), 0)
 
 
 def args_doc(options: Sequence[Option], indent: int = 4) -> str:
@@ -296,6 +314,8 @@ def markdown(options: Sequence[Option] = OPTIONS) -> str:
         where = ["ZeroConfig"] if o.engine else []
         if o.plugin:
             where.append(f"ZeroPlugin / yaml (`{o.flag}`{', asked' if o.question else ''})")
+        elif o.question:
+            where.append("`hf-zero config`'s question")
         rows.append(f"| `{o.name}` | {_default(o)} | {_cell(o.kind.allowed())} | {', '.join(where)} | "
                     f"{_cell(o.help)} |")
     return "\n".join(rows) + "\n"

@@ -9,6 +9,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ...config import ZeroConfig
+from ...options import BY_NAME, QUANTIZATION_BITS
 from .activations import ATTENTION_KINDS, activation_report
 from .formulas import DEFAULT_BLOCK_SIZE
 from .plan import (GB, MAX_WORLD, STAGES, ZEROPP_RANKS_PER_HOST, ZEROPP_WORLDS, Planner, check_ranks_per_host,
@@ -29,8 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with memory per rank and communication split into intra- and inter-host (default: "
                              "K = N, one host; the JSON output always carries it)")
     parser.add_argument("--stage", type=int, choices=STAGES, default=None, help="one stage (default: all four)")
-    parser.add_argument("--mixed-precision", default="bf16", choices=("no", "fp32", "bf16", "fp16"))
-    parser.add_argument("--grad-accum-dtype", default=None, choices=("fp32", "compute"),
+    precision = BY_NAME["mixed_precision"].kind
+    parser.add_argument("--mixed-precision", default="bf16",
+                        choices=precision.values + tuple(a for a, _ in precision.aliases if isinstance(a, str)))
+    parser.add_argument("--grad-accum-dtype", default=None, choices=BY_NAME["grad_accum_dtype"].kind.values,
                         help="gradient accumulation dtype (default: 'compute' with --params, ZeroConfig's 'fp32' "
                              "with --model)")
     parser.add_argument("--optimizer-k", type=int, default=None,
@@ -56,8 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "stage 3 plain, hpZ, qwZ, hpZ + qwZ, hpZ + qwZ + qgZ, qgZ, HSDP, stage 2 and stage 2 + "
                              "qgZ, next to the paper's figures, at N = 64 and 1024 in hosts of 8 (or the given "
                              "--num-processes / --ranks-per-host)")
-    parser.add_argument("--weights-bits", type=int, choices=(8, 4), default=8, help="--zeropp: qwZ's code width")
-    parser.add_argument("--gradients-bits", type=int, choices=(8, 4), default=4, help="--zeropp: qgZ's code width")
+    widths = tuple(QUANTIZATION_BITS.values())
+    parser.add_argument("--weights-bits", type=int, choices=widths, default=8, help="--zeropp: qwZ's code width")
+    parser.add_argument("--gradients-bits", type=int, choices=widths, default=4, help="--zeropp: qgZ's code width")
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                         help="--zeropp: elements per fp32 scale (quantization_block_size)")
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")

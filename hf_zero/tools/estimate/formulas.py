@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ...engine.quantize import quantized_nbytes
+from ...options import BY_NAME
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,8 @@ def comm_elements_per_step(psi: float, stage: int, micro_batches: int = 1, resid
 def _effective_option(n: int, k: int, stage: int, option: str) -> str:
     """`option` as the engine runs it (engine/topology.py): K = 1 or K = N is the plain stage. Raises for a K that
     does not divide N and for an option the stage does not have (ZeroConfig's rules)."""
-    if option not in ("none", "hsdp", "hpz"):
-        raise ValueError(f"option must be none, hsdp or hpz, got {option!r}")
+    if option not in BY_NAME["hierarchy"].kind.values:
+        raise ValueError(f"option must be {BY_NAME['hierarchy'].kind.allowed()}, got {option!r}")
     if k < 1 or n % k:
         raise ValueError(f"K={k} must divide N={n}")
     if option == "hpz" and stage != 3:
@@ -187,7 +188,7 @@ def hierarchical_state_bytes(psi: float, n: int, k: int, stage: int, option: str
 # rank per host (qgZ's second hop, HSDP's replica all-reduce) runs K times side by side, so a host sends K times the
 # per-rank volume (`inter_bytes_per_host`). Both agree for everything but those two.
 
-DEFAULT_BLOCK_SIZE = 256  # ZeroConfig.quantization_block_size's default: elements per fp32 scale
+DEFAULT_BLOCK_SIZE = BY_NAME["quantization_block_size"].default  # elements per fp32 scale
 
 # The paper's cross-host volume per step in units of M, the model's fp16 bytes (2Ψ), per host (Wang et al. 2023,
 # arXiv 2306.10209, "Communication volume" of the ZeRO++ section): ZeRO-3 3M = forward all-gather M + backward

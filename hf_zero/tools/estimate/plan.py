@@ -34,9 +34,10 @@ from torch import nn
 from ...config import ZeroConfig
 from ...engine.planning import GroupPlan, ShardPlan, plan_model
 from ...engine.quantize import quantized_nbytes
-from .formulas import (PAPER_ZEROPP_INTER_M, ZEROPP_COMBINATIONS, Collective, Recipe, comm_elements_per_step,
-                       hierarchical_comm_elements, hierarchical_state_bytes, inter_bytes_per_host, model_state_bytes,
-                       recipe, zeropp_collectives)
+from ...options import bits
+from .formulas import (DEFAULT_BLOCK_SIZE, PAPER_ZEROPP_INTER_M, ZEROPP_COMBINATIONS, Collective, Recipe,
+                       comm_elements_per_step, hierarchical_comm_elements, hierarchical_state_bytes,
+                       inter_bytes_per_host, model_state_bytes, recipe, zeropp_collectives)
 
 STAGES = (0, 1, 2, 3)
 MAX_WORLD = 65536
@@ -86,7 +87,8 @@ def plan_bytes(plan: ShardPlan, config: ZeroConfig, rank: int = 0, optimizer_sta
     for g in plan.groups:
         e = _elem(g.dtype)
         if quantized_frozen and not g.trainable and g.dtype.is_floating_point:  # int8 codes + fp32 scales
-            out["params"] += quantized_nbytes(g.shard_numel, config.quantization_block_size, 8)
+            out["params"] += quantized_nbytes(g.shard_numel, config.quantization_block_size,
+                                              bits(config.quantized_frozen_weights))
         else:
             out["params"] += (g.padded_numel if stage < 3 else g.shard_numel) * e
         if not g.trainable:
@@ -400,7 +402,7 @@ def _zeropp_row(collectives: List[Collective], k: int, m_bytes: float, label: st
 
 
 def zeropp_formula_report(psi: float, worlds: Sequence[int], k: int, gather_bytes: int = 2, reduce_bytes: int = 2,
-                          weights_bits: int = 8, gradients_bits: int = 4, block_size: int = 256,
+                          weights_bits: int = 8, gradients_bits: int = 4, block_size: int = DEFAULT_BLOCK_SIZE,
                           micro_batches: int = 1) -> Dict[str, Any]:
     """{"worlds": {N: {label: row}}} for Ψ trainable elements (formulas.zeropp_collectives; no root unit, no
     padding: the paper's count). M = 2Ψ, the model's fp16 bytes."""
@@ -440,7 +442,8 @@ def _plan_collectives(planner: "Planner", stage: int, n: int, k: int, options: D
 
 
 def zeropp_plan_report(planner: "Planner", worlds: Sequence[int], k: int, weights_bits: int = 8,
-                       gradients_bits: int = 4, block_size: int = 256, micro_batches: int = 1) -> Dict[str, Any]:
+                       gradients_bits: int = 4, block_size: int = DEFAULT_BLOCK_SIZE,
+                       micro_batches: int = 1) -> Dict[str, Any]:
     """zeropp_formula_report's table from hf_zero's planner: padded flat groups, one collective per group and phase,
     hf_zero's dtypes (reductions in fp32 under bf16 unless reduce_dtype="compute"). M = 2Ψ (Ψ: the trainable
     parameters, unpadded)."""
