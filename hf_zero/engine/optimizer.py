@@ -11,12 +11,18 @@
 The shard is exposed to the inner optimizer as one 1-D view per (parameter ∩ owned range) segment, so the
 user's parameter groups (weight decay / no decay, per-group learning rates) and LR schedulers keep working.
 Only element-wise optimizers give the same update on a segment as on the whole tensor.
+
+`ZeroOptimizer` is a `torch.optim.Optimizer` built by torch's own `__init__` over those segments, so torch's code
+does the rest: its `__init__` wraps `step` (once per class) with the step pre/post hooks and the profiler range,
+LR schedulers wrap and track it as on any optimizer, and `zero_grad`, `state_dict`, `load_state_dict` and the
+hook registries are torch's. Its `param_groups` and `state` are the only ones: the inner optimizer (the user's
+class over the same group dicts) is an algorithm they are lent to before each update, called without torch's hook
+wrapper so that a step is one optimizer step for global hooks.
 """
 from __future__ import annotations
 
 import inspect
 import logging
-from collections import OrderedDict
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
@@ -76,11 +82,36 @@ def _with_kernel(group: Dict[str, Any], choice: Dict[str, Any]) -> Dict[str, Any
     return {**group, **choice}
 
 
-# the hook dicts torch.optim.Optimizer.__init__ creates (its register_* methods and step wrapper use them)
-_HOOK_DICTS = (
-    "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
-)
+# The function torch.optim.Optimizer.__init__ puts around each optimizer class's `step` (profile_hook_step, a public
+# static method, via functools.wraps): the code every such wrapper runs, to recognise it in `_unhooked`.
+_HOOK_WRAPPER_CODE = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
+
+
+def _unhooked(step: Callable) -> Callable:
+    """A class's `step` without torch's hook wrapper: `inspect.unwrap` through functools' `__wrapped__` of that
+    wrapper only (the optimizer's own decorators stay). If torch ever wraps differently, the step is returned
+    wrapped: global step hooks would then also see the inner optimizer, nothing else changes."""
+    return inspect.unwrap(step, stop=lambda f: getattr(f, "__code__", None) is not _HOOK_WRAPPER_CODE)
+
+
+class _KeepLR(torch.optim.lr_scheduler.LRScheduler):
+    """An LR scheduler that sets each group's lr to what it is. Building one on an optimizer is how torch's own
+    code installs its step-order tracking there (the wrapper that lets schedulers tell optimizer.step() was called),
+    for a scheduler that was built on the user's optimizer and is then pointed at this one (HfZeroAccelerator's
+    prepare does that)."""
+
+    def get_lr(self) -> List[Any]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+
+# torch.optim.Optimizer's hook registries by hook kind (read on the user's optimizer, never written; see
+# `_forward_user_hooks`)
+_USER_HOOKS = {
+    "step_pre": "_optimizer_step_pre_hooks", "step_post": "_optimizer_step_post_hooks",
+    "state_dict_pre": "_optimizer_state_dict_pre_hooks", "state_dict_post": "_optimizer_state_dict_post_hooks",
+    "load_state_dict_pre": "_optimizer_load_state_dict_pre_hooks",
+    "load_state_dict_post": "_optimizer_load_state_dict_post_hooks",
+}
 
 
 class Segment(NamedTuple):
@@ -98,9 +129,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     `param_groups` are the user's groups (same hyper-parameters, same order) whose params are the rank's
     segments; LR schedulers that edit `param_groups` work unchanged. `state_dict()` is this rank's shard only.
-    A `torch.optim.Optimizer` in full: step pre/post hooks (its own and torch's global ones, once per step),
-    state-dict and load-state-dict hooks, `defaults`, `state` keyed by the segment tensors; `param_groups`,
-    `state` and `defaults` are the inner optimizer's (the user's class over the segments).
+    A `torch.optim.Optimizer` in full, built by its `__init__`: step pre/post hooks (its own and torch's global
+    ones, once per step), state-dict and load-state-dict hooks, `defaults` (the user's class's), `state` keyed by
+    the segment tensors. Hooks registered on the user's optimizer before sharding fire here too.
+    `add_param_group` after construction raises: the parameters are sharded once, with the groups given then.
     """
 
     def __init__(self, user_optimizer: torch.optim.Optimizer, groups: List[FlatGroup], reducer: Reducer, comm: Comm,
@@ -114,8 +146,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                        config.min_loss_scale)
             if config.mixed_precision == "fp16" else None
         )
-        self._prepared = False  # prepare_grads ran since the last backward
-        self._step_ok = True
+        self.grads_prepared = False  # prepare_grads ran since the last backward
+        self.grads_finite = True  # what it found (fp16: False skips the step)
         self.user_optimizer_class = type(user_optimizer)
         rank = comm.rank
         # which user group each parameter belongs to
@@ -154,48 +186,79 @@ class ZeroOptimizer(torch.optim.Optimizer):
             choice = {"fused": None, "foreach": True}
             self.inner = cls([_with_kernel(g, choice) for g in inner_groups], **{**kwargs, **choice})
             self.kernel = f"foreach (fused refused: {exc})"
-        # torch.optim.Optimizer's own attributes, as its __init__ sets them (its __init__ itself would add the
-        # groups again): `param_groups`, `state` and `defaults` are the inner optimizer's (properties below), so LR
-        # schedulers, Accelerate and hooks see one set of dicts. The hook dicts are the user's optimizer's: hooks
-        # registered on it before sharding fire here, as they would on the optimizer stock Accelerate steps.
-        for name in _HOOK_DICTS:
-            theirs = getattr(user_optimizer, name, None)
-            setattr(self, name, theirs if isinstance(theirs, OrderedDict) else OrderedDict())
-        self._warned_capturable_if_run_uncaptured = True
-        # torch wraps `step` once per class: the step pre/post hooks (global, then this optimizer's) run around it
-        self._patch_step_function()
+        # torch's own __init__ over the inner optimizer's group dicts (the same dicts, so an lr set by a scheduler
+        # is the one the inner optimizer reads) and defaults: it makes the hook registries and the state, and wraps
+        # ZeroOptimizer.step with the hooks; its add_param_group accepts exactly these groups (see below).
+        super().__init__(self.inner.param_groups, self.inner.defaults)
+        self._lend_to_inner()
+        # torch's load_state_dict gives this optimizer new `state` / `param_groups`: lend them before any other
+        # post-hook looks (registered first)
+        self.register_load_state_dict_post_hook(lambda opt: opt._lend_to_inner())
+        self._forward_user_hooks(user_optimizer)
+        if any("initial_lr" in g for g in user_optimizer.param_groups):  # an LR scheduler was built on it
+            _KeepLR(self)
 
-    # The inner optimizer's, read and written through: a scheduler or Accelerate that assigns them assigns the
-    # inner optimizer's (AcceleratedOptimizer's setters do), and its load_state_dict's new groups are seen here.
-    @property
-    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
-        return self.inner.param_groups
+    def _lend_to_inner(self) -> None:
+        """The inner optimizer runs over this optimizer's `param_groups` and `state` (the same objects): through its
+        own `__setstate__`, the pickle protocol torch's load_state_dict also ends in, which lets the class normalise
+        them (Adam fills group keys an older state dict lacks, makes `step` a tensor)."""
+        self.inner.__setstate__({"state": self.state, "param_groups": self.param_groups})
 
-    @param_groups.setter
-    def param_groups(self, value: List[Dict[str, Any]]) -> None:
-        self.inner.param_groups = value
+    def _forward_user_hooks(self, user_optimizer: torch.optim.Optimizer) -> None:
+        """Hooks registered on the user's optimizer (before or after sharding) fire on this one, with this one as
+        their optimizer, as they would on the optimizer stock Accelerate steps: one hook per kind here runs theirs
+        in order. Their registries are torch's private dicts, read (never written): torch has no public way to
+        list an optimizer's hooks."""
+        theirs = {kind: getattr(user_optimizer, name, None) for kind, name in _USER_HOOKS.items()}
+        if not all(isinstance(d, dict) for d in theirs.values()):
+            return  # an optimizer that did not run torch's __init__: it has no hooks
 
-    @property
-    def state(self) -> Dict[torch.Tensor, Any]:  # type: ignore[override]
-        """torch's shape: a dict keyed by the segment tensors (`segments[i].tensor`)."""
-        return self.inner.state
+        def step_pre(opt, args, kwargs):
+            changed = False
+            for hook in list(theirs["step_pre"].values()):
+                result = hook(opt, args, kwargs)
+                if result is not None:
+                    if not (isinstance(result, tuple) and len(result) == 2):
+                        raise RuntimeError(f"{hook} must return None or a tuple of (new_args, new_kwargs), "
+                                           f"but got {result}.")
+                    (args, kwargs), changed = result, True
+            return (args, kwargs) if changed else None
 
-    @state.setter
-    def state(self, value: Dict[torch.Tensor, Any]) -> None:
-        self.inner.state = value
+        def step_post(opt, args, kwargs):
+            for hook in list(theirs["step_post"].values()):
+                hook(opt, args, kwargs)
 
-    @property
-    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
-        return self.inner.defaults
+        def state_dict_pre(opt):
+            for hook in list(theirs["state_dict_pre"].values()):
+                hook(opt)
 
-    @defaults.setter
-    def defaults(self, value: Dict[str, Any]) -> None:
-        self.inner.defaults = value
+        def chain(kind):
+            def run(opt, state_dict):
+                for hook in list(theirs[kind].values()):
+                    result = hook(opt, state_dict)
+                    state_dict = state_dict if result is None else result
+                return state_dict
+            return run
+
+        def load_state_dict_post(opt):
+            for hook in list(theirs["load_state_dict_post"].values()):
+                hook(opt)
+
+        self.register_step_pre_hook(step_pre)
+        self.register_step_post_hook(step_post)
+        self.register_state_dict_pre_hook(state_dict_pre)
+        self.register_state_dict_post_hook(chain("state_dict_post"))
+        self.register_load_state_dict_pre_hook(chain("load_state_dict_pre"))
+        self.register_load_state_dict_post_hook(load_state_dict_post)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        raise TypeError("a ZeroOptimizer is a view of a live engine's shards and cannot be unpickled or deep-copied: "
-                        "save and load it with hf_zero.checkpoint (save_checkpoint / load_checkpoint) or "
-                        "accelerator.save_state / load_state")
+        """torch's load_state_dict sets the loaded state through here; an unpickled or copied object (no engine
+        behind it) is refused."""
+        if "inner" not in self.__dict__:
+            raise TypeError("a ZeroOptimizer is a view of a live engine's shards and cannot be unpickled or "
+                            "deep-copied: save and load it with hf_zero.checkpoint (save_checkpoint / load_checkpoint) "
+                            "or accelerator.save_state / load_state")
+        super().__setstate__(state)
 
     def __repr__(self) -> str:
         inner = torch.optim.Optimizer.__repr__(self)  # torch's: the class name, then each parameter group
@@ -220,19 +283,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def prepare_grads(self) -> bool:
         """Finish reductions, average, unscale (fp16). Returns False when the fp16 step must be skipped."""
-        if self._prepared and self.reducer.finalized:
-            return self._step_ok
+        if self.grads_prepared and self.reducer.finalized:
+            return self.grads_finite
         self.reducer.finalize()
-        self._step_ok = True
+        self.grads_finite = True
         if self.scaler is not None:
             found = torch.zeros(1, device=self.device)
             for g in self.trainable_groups():
                 g.grad_shard.div_(self.scaler.scale)
                 found += (~torch.isfinite(g.grad_shard)).any().float()
             self.world.all_reduce(found, "fp16 overflow flag", async_op=False, control=True, op=dist.ReduceOp.MAX)
-            self._step_ok = bool(found.item() == 0)
-        self._prepared = True
-        return self._step_ok
+            self.grads_finite = bool(found.item() == 0)
+        self.grads_prepared = True
+        return self.grads_finite
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the (global) gradient to `max_norm` and return the global norm over all ranks' shards.
@@ -284,7 +347,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         tensors, scales = [], []
         for st in self.reducer.states:
             if local_only:
-                self.reducer._clear_stale(st)  # stage 1 after a reduction: the stale rest is not this rank's sum
+                self.reducer.clear_stale(st)  # stage 1 after a reduction: the stale rest is not this rank's sum
                 tensors.append(st.group.grad_full)
                 scales.append(divisor)
             else:
@@ -313,13 +376,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Reduce (if not yet), unscale, skip on fp16 overflow, update the shard, restore full parameters."""
-        # the step pre/post hooks run around this method (torch.optim.Optimizer._patch_step_function)
+        # torch.optim.Optimizer.__init__ wrapped this method: the step pre/post hooks run around it
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         else:
             loss = None
-        self._opt_called = True  # what torch's LR schedulers check (see _wrapped_by_lr_sched below)
         with phase("step"):
             with phase("step.prepare"):
                 ok = self.prepare_grads()
@@ -342,13 +404,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def _inner_step(self) -> None:
-        """The inner optimizer's step without torch's hook wrapper: a global step hook sees one optimizer step per
-        training step (this one), as under stock Accelerate."""
-        step = type(self.inner).step
-        if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
-            step.__wrapped__(self.inner)
-        else:
-            self.inner.step()
+        """The user's algorithm over this optimizer's groups and state, without torch's hook wrapper around the inner
+        optimizer's step: a global step hook sees one optimizer step per training step (this one), as under stock
+        Accelerate."""
+        if self.inner.param_groups is not self.param_groups or self.inner.state is not self.state:
+            self._lend_to_inner()  # assigned since (e.g. AcceleratedOptimizer's param_groups setter)
+        _unhooked(type(self.inner).step)(self.inner)
 
     def _gather_updated_params(self) -> None:
         """The shard was updated: refresh the compute copy and (stages 1/2) all-gather the full parameters."""
@@ -364,40 +425,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for h in handles:
             h.wait()
 
-    # LR schedulers wrap `optimizer.step` at construction to notice a step before theirs; the scheduler was built
-    # on the user's optimizer, so this step records the call itself and says it needs no wrapping.
-    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradient accumulators (also done by every step). The gradients live in the engine's flat
-        buffers, so `set_to_none` changes nothing: both values are accepted, as torch's optimizers accept them."""
+        """torch's zero_grad over the segments (whose `.grad` is set only inside `step`), and the engine's gradient
+        accumulators reset (also done by every step). The gradients live in those flat buffers, which hold zeros
+        after either `set_to_none`: a step with no backward since then steps with zero gradients."""
+        super().zero_grad(set_to_none)
         self.reducer.zero_grad()
-        self._prepared = False
+        self.grads_prepared = False
 
-    def state_dict(self) -> Dict[str, Any]:
-        """This rank's optimizer shard (segments as parameters), through this optimizer's state-dict hooks. For a
-        world-size-independent checkpoint use the engine's checkpoint functions."""
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        state_dict = self.inner.state_dict()
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a `state_dict()` of this rank's shard, through this optimizer's load-state-dict hooks."""
-        state_dict = state_dict.copy()  # shallow, as torch's
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        self.inner.load_state_dict(state_dict)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+    # state_dict / load_state_dict are torch's: this rank's optimizer shard, segments as parameters. For a
+    # world-size-independent checkpoint use the engine's checkpoint functions.
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """torch's, for the groups sharded at construction (its __init__ adds them through here); afterwards an
+        error: a group's parameters would have to be sharded, and that happens once."""
+        if any(param_group is g for g in self.inner.param_groups) and \
+                not any(param_group is g for g in self.param_groups):
+            return super().add_param_group(param_group)
         raise NotImplementedError(
             "hf_zero shards the parameters of the optimizer given to shard_model() / accelerator.prepare(): a "
             "parameter group cannot be added afterwards. Put every group in the optimizer before that, e.g. "

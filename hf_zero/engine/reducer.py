@@ -133,7 +133,7 @@ class Reducer:
         if self.stage < 2:
             if st.handle is not None:
                 st.handle.wait()  # never add into a buffer a collective is still reading
-            self._clear_stale(st)
+            self.clear_stale(st)
             g.grad_full[slot.offset:slot.offset + slot.numel].add_(grad)
         else:
             if st.bucket is None:
@@ -146,8 +146,9 @@ class Reducer:
             if self.stage >= 2 or self.sync:
                 self._launch_in_order()
 
-    def _clear_stale(self, st: _GroupState) -> None:
-        """Stage 1 after a reduction: keep the owned sum, zero the stale rest before new gradients go in."""
+    def clear_stale(self, st: _GroupState) -> None:
+        """Stage 1 after a reduction: keep the owned sum, zero the stale rest before new gradients go in (or before
+        the optimizer measures the rank's local accumulated gradient)."""
         if st.reduced:
             g = st.group
             g.grad_full[:g.lo].zero_()
@@ -174,7 +175,7 @@ class Reducer:
             st.handle = self.comm.all_reduce(g.grad_full, tag, on_done=lambda: g.grad_full.div_(world))
         elif self.stage == 1:
             # In place: the owned range of grad_full is the gradient shard, so the sum lands where the step reads it.
-            self._clear_stale(st)  # no gradient since the last reduction: contribute zeros outside the owned range
+            self.clear_stale(st)  # no gradient since the last reduction: contribute zeros outside the owned range
             st.handle = self.route.reduce_scatter(g.grad_shard, g.grad_full, tag)
             st.reduced = True
         else:
