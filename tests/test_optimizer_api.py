@@ -4,7 +4,9 @@ scheduler, Accelerate or the Trainer calls on an optimizer behaves as on stock A
 Each check runs the same calls on hf_zero's optimizer and on a stock AdamW over an identical model and compares.
 World size 1 in this process where ranks do not matter; hooks firing once per step on every rank and the training
 equal to stock AdamW at world sizes 2 and 3 through tests/_dist.py; `optimizer.optimizer` of a real
-`HfZeroAccelerator.prepare` in a subprocess.
+`HfZeroAccelerator.prepare` in a subprocess. Issue 34, item 4: it is built by torch's own `__init__` and writes
+none of torch's private attributes; LR schedulers (torch's and Transformers'), zero_grad, add_param_group and
+load_state_dict against stock AdamW in plain single-process training.
 """
 from __future__ import annotations
 
@@ -382,3 +384,231 @@ def test_trainer_optimizer_hooks_and_callbacks_match_stock(tmp_path):
     assert len(logs["zero"]["losses"]) == 4
     torch.testing.assert_close(torch.tensor(logs["zero"]["losses"]), torch.tensor(logs["stock"]["losses"]),
                                rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ torch's own code (issue 34, 4)
+# ZeroOptimizer runs torch.optim.Optimizer.__init__ over its segments: hooks, LR schedulers, zero_grad and the
+# state dicts are torch's code. Each check runs the same calls on a stock AdamW trained in plain PyTorch.
+
+def _private(obj):
+    return {k for k in vars(obj) if k.startswith("_")}
+
+
+def _params_equal(engine, stock_model):
+    ours = engine.full_state_dict()
+    for k, v in stock_model.state_dict().items():
+        if k in ours:
+            torch.testing.assert_close(ours[k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_sets_no_private_attribute_torch_does_not():
+    """After the same calls (torch's __init__, an LR scheduler, a step, zero_grad, state_dict / load_state_dict) the
+    instance holds exactly the private attributes a stock AdamW holds, and its class's step exactly what torch's
+    wrapper puts on AdamW's: hf_zero writes none of torch's private names. Its own names are public."""
+    from hf_zero import ZeroOptimizer
+
+    engine, opt, stock_model, stock = _pair(2)
+    assert _private(opt) == _private(stock), _private(opt) ^ _private(stock)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt, stock)]
+    batch = models.make_batches(1, 1)[0][0]
+    _train_step(engine.model, opt, batch, engine.backward)
+    _train_step(stock_model, stock, batch)
+    for s in scheds:
+        s.step()
+    for o in (opt, stock):
+        o.zero_grad(set_to_none=False)
+        o.load_state_dict(o.state_dict())
+    assert _private(opt) == _private(stock), _private(opt) ^ _private(stock)
+    assert "_opt_called" in _private(opt)  # written by torch's scheduler wrapper, as on stock
+    assert set(vars(opt)) - set(vars(stock)) == {
+        "groups", "reducer", "comm", "config", "device", "world", "scaler", "grads_prepared", "grads_finite",
+        "user_optimizer_class", "segments", "kernel", "inner"}
+    assert set(vars(ZeroOptimizer.step)) == set(vars(type(stock).step)) == {"__wrapped__", "hooked"}
+    assert not [k for k in vars(ZeroOptimizer) if k.startswith("_") and not k.startswith("__")
+                and not callable(vars(ZeroOptimizer)[k])]  # no class-level private data either
+
+
+def test_step_hooks_get_torch_arguments_and_may_replace_them():
+    """A pre-hook sees (optimizer, (optimizer,), {}) and may return new (args, kwargs): here a closure, whose
+    value step() returns; the post-hook sees the replaced arguments. Once per step, as on stock AdamW."""
+    def setup(opt):
+        calls = []
+
+        def pre(o, args, kwargs):
+            calls.append(("pre", o is opt, len(args), args[0] is o, sorted(kwargs)))
+            return (o,), {"closure": lambda: 7.0}
+
+        def post(o, args, kwargs):
+            calls.append(("post", o is opt, len(args), args[0] is o, sorted(kwargs)))
+
+        opt.register_step_pre_hook(pre)
+        opt.register_step_post_hook(post)
+        return {"calls": calls}
+
+    engine, opt, stock_model, stock = _pair(3)
+    ours, ref = setup(opt), setup(stock)
+    returned = {"ours": [], "ref": []}
+    for (mb,) in models.make_batches(STEPS, 1):
+        engine.backward(engine.model(input_ids=mb, labels=mb).loss)
+        returned["ours"].append(opt.step())
+        stock_model(input_ids=mb, labels=mb).loss.backward()
+        returned["ref"].append(stock.step())
+        opt.zero_grad()
+        stock.zero_grad()
+    assert returned["ours"] == returned["ref"] == [7.0] * STEPS
+    assert ours["calls"] == ref["calls"] == [("pre", True, 1, True, []), ("post", True, 1, True, ["closure"])] * STEPS
+    _params_equal(engine, stock_model)
+
+
+def _hf_linear(opt):
+    from transformers import get_linear_schedule_with_warmup
+    return get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=STEPS + 1)
+
+
+def _hf_cosine(opt):
+    from transformers import get_cosine_schedule_with_warmup
+    return get_cosine_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=STEPS)
+
+
+def _torch_sequential(opt):
+    lr_sched = torch.optim.lr_scheduler
+    return lr_sched.SequentialLR(opt, [lr_sched.LinearLR(opt, start_factor=0.25, total_iters=2),
+                                       lr_sched.ExponentialLR(opt, gamma=0.5)], milestones=[2])
+
+
+def _scheduled_training(engine, opt, model, make_sched, sched=None):
+    """torch's documented loop: optimizer.step() then scheduler.step(); every group's lr before each step."""
+    sched = sched or make_sched(opt)
+    lrs = []
+    for (mb,) in models.make_batches(STEPS, 1):
+        loss = model(input_ids=mb, labels=mb).loss
+        engine.backward(loss) if engine is not None else loss.backward()
+        lrs.append([g["lr"] for g in opt.param_groups])
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return lrs, sched.get_last_lr()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("make_sched", [_hf_linear, _hf_cosine, _torch_sequential])
+def test_lr_schedule_and_parameters_equal_stock(stage, make_sched):
+    """Transformers' and torch's schedulers on the engine optimizer: the same per-group lr sequence and the same
+    parameters after the steps as on stock AdamW, and no warning (e.g. "lr_scheduler.step() before
+    optimizer.step()", or one saying optimizer.step was replaced after the scheduler was built)."""
+    engine, opt, stock_model, stock = _pair(stage)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = _scheduled_training(engine, opt, engine.model, make_sched)
+        ref = _scheduled_training(None, stock, stock_model, make_sched)
+    assert ours == ref and len({lr[0] for lr in ours[0]}) > 1 and ours[0][-1][0] != ours[0][-1][1]
+    _params_equal(engine, stock_model)
+
+
+def test_scheduler_built_on_the_users_optimizer_then_pointed_here():
+    """What HfZeroAccelerator.prepare does with a scheduler built before sharding (`scheduler.optimizer = the
+    engine's`): torch's step tracking is there (no warning, the same lrs and parameters as stock)..."""
+    from hf_zero import ZeroConfig, shard_model
+
+    model = models.make_model("gpt2")
+    user_opt = models.make_optimizer(model)
+    sched = _hf_linear(user_opt)
+    engine = shard_model(model, user_opt, ZeroConfig(stage=2))
+    sched.optimizer = engine.optimizer
+    stock_model = models.make_model("gpt2")
+    stock = models.make_optimizer(stock_model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = _scheduled_training(engine, engine.optimizer, engine.model, None, sched)
+        ref = _scheduled_training(None, stock, stock_model, _hf_linear)
+    assert ours == ref
+    _params_equal(engine, stock_model)
+
+
+def test_scheduler_stepped_first_warns_as_on_stock():
+    """... and it is torch's real tracking, not a silenced check: stepping the scheduler before the optimizer warns
+    on the engine optimizer (a scheduler built on it, or one pointed at it) as it does on stock AdamW."""
+    from hf_zero import ZeroConfig, shard_model
+
+    engine, opt, _, stock = _pair(2)
+    model = models.make_model("gpt2")
+    user_opt = models.make_optimizer(model)
+    pointed = _hf_linear(user_opt)
+    pointed.optimizer = shard_model(model, user_opt, ZeroConfig(stage=2)).optimizer
+    for sched in (_hf_linear(opt), pointed, _hf_linear(stock)):
+        with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\)` before `optimizer.step\(\)"):
+            sched.step()  # the first step after the constructor's is the one torch checks
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_resets_the_engine_gradients(stage, set_to_none):
+    """zero_grad between two backwards drops the first one's gradient, as on stock AdamW; torch's zero_grad runs
+    over the segments (whose .grad is None outside step) and the engine's accumulators hold zeros."""
+    engine, opt, stock_model, stock = _pair(stage)
+    first, second = models.make_batches(2, 1)
+    for model, o, backward in ((engine.model, opt, engine.backward), (stock_model, stock, lambda l: l.backward())):
+        backward(model(input_ids=first[0], labels=first[0]).loss)
+        o.zero_grad(set_to_none=set_to_none)
+        if o is opt:
+            trainable = [g for g in engine.groups if g.plan.trainable]
+            assert trainable and all(not g.grad_shard.any() for g in trainable)
+            assert all(s.tensor.grad is None for s in opt.segments)
+        else:
+            assert all((p.grad is None) == set_to_none for p in stock_model.parameters())
+        backward(model(input_ids=second[0], labels=second[0]).loss)
+        o.step()
+    _params_equal(engine, stock_model)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_step_without_backward_after_zero_grad_steps_zero_gradients(set_to_none):
+    """The engine's gradients are its accumulators, never None: after zero_grad (either value) a step with no
+    backward is stock AdamW's step over zero gradients (zero_grad(set_to_none=False)); stock with set_to_none=True
+    would skip the step. Checked against stock so that a change of this documented behaviour is seen."""
+    engine, opt, stock_model, stock = _pair(2)
+    batch = models.make_batches(1, 1)[0][0]
+    engine.backward(engine.model(input_ids=batch, labels=batch).loss)
+    stock_model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    stock.step()
+    opt.zero_grad(set_to_none=set_to_none)
+    stock.zero_grad(set_to_none=False)
+    for p in stock_model.parameters():
+        assert p.grad is not None and not p.grad.any()
+    opt.step()
+    stock.step()
+    _params_equal(engine, stock_model)
+
+
+def test_add_param_group_raises_and_changes_nothing():
+    engine, opt, _, _ = _pair(2)
+    groups = [dict(g) for g in opt.param_groups]
+    extra = torch.zeros(3, requires_grad=True)
+    for group in ({"params": [extra]}, {"params": [extra], "lr": 0.0}, opt.param_groups[0]):
+        with pytest.raises(NotImplementedError, match=r"cannot be added afterwards.*Put every group"):
+            opt.add_param_group(group)
+    assert [dict(g) for g in opt.param_groups] == groups and opt.param_groups is opt.inner.param_groups
+
+
+def test_load_state_dict_is_torchs_and_the_step_uses_what_it_loaded():
+    """torch's load_state_dict replaces the groups and state: the next step runs over the loaded ones (here a
+    changed lr and Adam's float `step` of an older state dict, made a tensor by AdamW's __setstate__), equal to
+    stock AdamW loading the same change."""
+    engine, opt, stock_model, stock = _pair(2)
+    batches = models.make_batches(2, 1)
+    _train_step(engine.model, opt, batches[0][0], engine.backward)
+    _train_step(stock_model, stock, batches[0][0])
+    for o in (opt, stock):
+        sd = o.state_dict()
+        sd["param_groups"][1]["lr"] = 0.07
+        for s in sd["state"].values():
+            s["step"] = float(s["step"])
+        o.load_state_dict(sd)
+    assert opt.param_groups is opt.inner.param_groups and opt.state is opt.inner.state
+    assert opt.param_groups[1]["lr"] == stock.param_groups[1]["lr"] == 0.07
+    assert all(torch.is_tensor(s["step"]) for s in opt.state.values())
+    assert [type(s["step"]) for s in opt.state.values()][:1] == [type(s["step"]) for s in stock.state.values()][:1]
+    _train_step(engine.model, opt, batches[1][0], engine.backward)
+    _train_step(stock_model, stock, batches[1][0])
+    _params_equal(engine, stock_model)
