@@ -36,12 +36,26 @@ class ZeroConfig:
         """Raise ZeroConfigError naming the first bad option and what is allowed; put the others in normal form."""
         for name, value in check_values({o.name: getattr(self, o.name) for o in ENGINE}, ENGINE).items():
             setattr(self, name, value)
+        k = self.reshard_after_forward
+        if type(k) is int and self.hpz_partition_size not in (None, k):
+            raise ZeroConfigError(f"reshard_after_forward={k} reshards to a group of {k} ranks (hpZ) but "
+                                  f"hpz_partition_size={self.hpz_partition_size!r}: give one of them", "reshard_after_forward")
+        if type(k) is int and self.shard_group_size is not None:
+            raise ZeroConfigError(f"reshard_after_forward={k} (hpZ over {k} ranks) and shard_group_size="
+                                  f"{self.shard_group_size!r} are two ways of keeping all-gathers inside a host; choose "
+                                  f"one", "reshard_after_forward")
 
     # ----------------------------------------------------------------- derived
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:
         """The dtype parameters are cast to for forward/backward, or None to keep each parameter's own dtype."""
         return _COMPUTE_DTYPES[self.mixed_precision]
+
+    @property
+    def hpz_size(self) -> Optional[Union[int, str]]:
+        """hpZ's secondary group: hpz_partition_size, or reshard_after_forward when it names a number of ranks."""
+        k = self.reshard_after_forward
+        return self.hpz_partition_size if self.hpz_partition_size is not None or type(k) is not int else k
 
     def reduce_torch_dtype(self, group_dtype: torch.dtype) -> torch.dtype:
         """The dtype a stage-2/3 bucket of `group_dtype` gradients is reduce-scattered in."""

@@ -132,6 +132,20 @@ def unit_modules(model: nn.Module) -> List[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+def resident_numel(model: nn.Module, reshard_after_forward="auto") -> int:
+    """Elements stage 3 keeps gathered from a forward into its backward (gathered once per micro-batch instead of
+    twice), by FSDP2's / torchtitan's policy, stated here on its own: the root (everything outside the decoder
+    layers: embeddings, final norm, head) never reshards; "auto" also keeps the last decoder layer, whose backward
+    comes right after its forward; True keeps only the root; False keeps everything."""
+    layers = unit_modules(model)
+    in_layers = {id(p) for m in layers for p in m.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in in_layers)
+    if reshard_after_forward is False:
+        return sum(p.numel() for p in model.parameters())
+    last = sum(p.numel() for p in layers[-1].parameters()) if reshard_after_forward == "auto" and layers else 0
+    return root + last
+
+
 def param_fingerprint(model: nn.Module) -> Dict[str, float]:
     return {n: float(p.detach().double().sum()) for n, p in model.named_parameters()}
 

@@ -21,6 +21,7 @@ BF16_WORLD = 2
 KINDS_BYTES = {"all_gather", "reduce_scatter", "all_reduce"}
 FLAT_WORLD = 3  # the ledger formulas with the flat (NCCL-shaped) collectives too, padding included
 FLAT_STAGES = (1, 2, 3)  # stage 0 only all-reduces, which no strategy changes
+RESHARD_POLICIES = (True, False)  # stage 3's reshard_after_forward other than the default "auto", at FLAT_WORLD
 
 
 def scenarios_for(world_size):
@@ -35,6 +36,9 @@ def scenarios_for(world_size):
         flat = dict(zero_options={"collectives": "flat"}, **common)
         sc += [(f"{kind}-fp32-s{stage}-flat", engine_train, dict(kind=kind, stage=stage, **flat))
                for kind in models.KINDS for stage in FLAT_STAGES]
+        sc += [(f"{kind}-fp32-s3-reshard-{policy}", engine_train,
+                dict(kind=kind, stage=3, zero_options={"reshard_after_forward": policy}, **common))
+               for kind in models.KINDS for policy in RESHARD_POLICIES]
     return sc
 
 
@@ -49,9 +53,7 @@ class Sizes:
     def __init__(self, kind):
         model = models.make_model(kind)
         self.psi = models.trainable_numel(model)
-        units = models.unit_modules(model)
-        in_units = {id(p) for u in units for p in u.parameters()}
-        self.psi_root = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
+        self.resident = models.resident_numel(model)  # the root and the last layer (reshard_after_forward "auto")
         self.n_tensors = len(list(model.parameters()))
         self.max_flat_buffers = self.n_tensors  # each flat buffer holds >= 1 parameter tensor
 
@@ -65,9 +67,9 @@ def comm_expected(stage, s: Sizes, n, m=ACCUM):
         return {"reduce_scatter": (s.psi, s.psi + pad), "all_gather": (s.psi, s.psi + pad)}
     if stage == 2:
         return {"reduce_scatter": (m * s.psi, m * (s.psi + pad)), "all_gather": (s.psi, s.psi + pad)}
-    # stage 3: forward and backward all-gather every unit per micro-batch, except that the root unit stays
-    # gathered from its forward to its backward; one reduce-scatter per micro-batch
-    return {"all_gather": (m * (2 * s.psi - s.psi_root), m * (2 * (s.psi + pad) - s.psi_root)),
+    # stage 3: forward and backward all-gather every unit per micro-batch, except that the root unit and the last
+    # layer stay gathered from their forward to their backward; one reduce-scatter per micro-batch
+    return {"all_gather": (m * (2 * s.psi - s.resident), m * (2 * (s.psi + pad) - s.resident)),
             "reduce_scatter": (m * s.psi, m * (s.psi + pad))}
 
 
@@ -133,6 +135,29 @@ def test_ledger_per_strategy_beside_the_kinds(dist_results, kind, stage):
                 assert set(by_strategy) == {strategy}, (name, r, by_strategy)
                 assert by_strategy[strategy] == plain, (name, r, by_strategy, plain)
                 assert plain["total"]["inter_bytes"] == 0 and plain["total"]["intra_bytes"] == plain["total"]["bytes"]
+
+
+@pytest.mark.parametrize("policy", RESHARD_POLICIES)
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_reshard_after_forward_policy_ledger_and_training(dist_results, kind, policy):
+    """Stage 3's reshard_after_forward: True all-gathers every unit but the root twice per micro-batch (the paper's
+    3Ψ less the root), False once (2Ψ: every parameter stays gathered from its forward into its backward); the
+    default "auto" (test_comm_volume_per_step) lies between. Each trains exactly as plain single-process training
+    does (gradient norms and final weights)."""
+    s, n, m = Sizes(kind), FLAT_WORLD, ACCUM
+    pad = s.max_flat_buffers * n
+    resident = models.resident_numel(models.make_model(kind), policy)
+    ref = reference_train(kind, "full", STEPS, ACCUM)
+    for r, res in enumerate(dist_results(n, f"{kind}-fp32-s3-reshard-{policy}")):
+        for stats in res["comm"]:
+            got = _get(stats, "all_gather", "elements")
+            lo, hi = m * (2 * s.psi - resident), m * (2 * (s.psi + pad) - resident)
+            assert lo <= got <= hi, (policy, r, got, lo, hi)
+            assert s.psi <= _get(stats, "reduce_scatter", "elements") / m <= s.psi + pad, (policy, r, stats)
+        torch.testing.assert_close(torch.tensor(res["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=1e-6)
+        if r == 0:
+            for name, want in ref["state"].items():
+                torch.testing.assert_close(res["state"][name], want, rtol=1e-5, atol=1e-6, msg=lambda msg: name)
 
 
 def test_comm_stats_reset(dist_results):

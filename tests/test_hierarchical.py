@@ -131,8 +131,7 @@ class Sizes:
     def __init__(self, kind):
         model = models.make_model(kind)
         self.psi = models.trainable_numel(model)
-        in_units = {id(p) for u in models.unit_modules(model) for p in u.parameters()}
-        self.root = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
+        self.root = models.resident_numel(model)  # gathered once per micro-batch: the root and the last layer
         self.pad = len(list(model.parameters())) * N  # per pass: <= N padding elements per flat buffer
 
 

@@ -76,13 +76,15 @@ class FlatGroup:
     def __init__(self, plan: GroupPlan, params: List[nn.Parameter], stage: int, rank: int,
                  device: torch.device, master_dtype: Optional[torch.dtype], master_device: torch.device,
                  accum_dtype: torch.dtype, values: torch.Tensor, shard_device: torch.device,
-                 offload_master: bool = False, values_lo: int = 0, frozen_block: Optional[int] = None) -> None:
+                 offload_master: bool = False, values_lo: int = 0, frozen_block: Optional[int] = None,
+                 unit_state: Optional[UnitState] = None) -> None:
         self.plan, self.params, self.stage, self.rank = plan, params, stage, rank
         self.device = device
         self.lo, self.hi = plan.owned_range(rank)
-        # stage 3: the state of the unit that owns the group (the unit shares its own), the one answer to
-        # "gathered?"; None below stage 3, where the parameters always hold their values
-        self.unit_state: Optional[UnitState] = UnitState() if stage == 3 else None
+        # stage 3: the state of the unit that owns the group, the one answer to "gathered?"; None below stage 3,
+        # where the parameters always hold their values
+        assert (unit_state is not None) == (stage == 3), "stage 3 groups, and only they, share their unit's state"
+        self.unit_state = unit_state
         self.version = 0  # bumped whenever the shard's values change (hpZ: secondary slices cut before are stale)
         # `values`: the initial flat values from element `values_lo` on (the whole padded buffer, or at stage 3
         # possibly just the owned range, when the weights were read straight into shards)

@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 
 from .collectives import Chain, Collectives, Handle, choose, gloo_device_types, wait_all
+from .exit import hold
 from .quantize import dequantize_chunks, quantized_nbytes
 
 __all__ = ["Chain", "CollectiveMismatchError", "Comm", "DATA_KINDS", "Handle", "Ledger", "gloo_device_types",
-           "groups_seen", "wait_all"]
+           "wait_all"]
 
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
@@ -93,8 +94,6 @@ class Comm:
     inter-host column). `collectives`: how its all-gathers and reduce-scatters go on the wire ("auto", "flat",
     "chunked": engine/collectives/), resolved once per device type (`strategy`)."""
 
-    _instances = 0
-
     def __init__(self, group: Optional[dist.ProcessGroup] = None, debug: bool = False, debug_timeout_s: float = 120,
                  ledger: Optional[Ledger] = None, collectives: str = "auto",
                  wrap: Optional[Callable[[Collectives], Collectives]] = None):
@@ -105,13 +104,12 @@ class Comm:
         self.debug = debug and self.distributed and self.world_size > 1
         self.debug_timeout = timedelta(seconds=debug_timeout_s)
         self._calls = 0
-        # Engines are built in the same order on every rank, so this numbers them alike: store keys of one engine
-        # never meet another's.
-        Comm._instances += 1
         self._global_ranks = ([dist.get_global_rank(group, r) if group is not None else r
                                for r in range(self.world_size)] if self.distributed else [0])
-        # ...and the group's members tell apart the engines of different subgroups (tp x dp meshes)
-        self._prefix = f"hfz/{Comm._instances}/{'-'.join(map(str, self._global_ranks))}"
+        # The debug store's keys: the group's name (the same on its members, made by new_group in the same order)
+        # and how many Comms this process made over it before (its members make them in the same order), so the
+        # calls of two engines over one group never meet, whatever other groups other ranks made.
+        self._prefix = f"hfz/{_store_prefix(group)}" if self.debug else ""
         self.ledger = ledger if ledger is not None else Ledger()
         self.spans_hosts = False
         self.collectives = collectives
@@ -119,7 +117,12 @@ class Comm:
         self._debug_timeout_s = debug_timeout_s
         self._strategies: Dict[str, Collectives] = {}
         if group is not None:
-            _groups_seen.add(group)
+            hold(self)  # engine/exit.py releases the group at exit (release_groups)
+
+    def release_groups(self) -> None:
+        """At exit (engine/exit.py): drop the group and the strategies that hold it; a collective afterwards raises."""
+        self.group = None
+        self._strategies.clear()
 
     def sibling(self, wrap: Callable[[Collectives], Collectives]) -> "Comm":
         """A Comm over the same group and ledger whose strategy is `wrap(the chosen one)`: the engine gives the
@@ -262,13 +265,13 @@ class Comm:
         dist.broadcast(tensor, global_src, group=self.group)
 
 
-_groups_seen: "weakref.WeakSet[dist.ProcessGroup]" = weakref.WeakSet()
+_comms_per_group: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()
 
 
-def groups_seen() -> List[dist.ProcessGroup]:
-    """The process groups (other than the default one) that Comm objects were made for and that are still alive:
-    engine/exit.py frees them before the interpreter finalizes."""
-    return list(_groups_seen)
+def _store_prefix(group: Optional[dist.ProcessGroup]) -> str:
+    pg = group if group is not None else dist.group.WORLD
+    _comms_per_group[pg] = n = _comms_per_group.get(pg, 0) + 1
+    return f"{pg.group_name}/{n}"
 
 
 def _unit_of(description: str) -> Optional[str]:

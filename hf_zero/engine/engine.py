@@ -27,6 +27,7 @@ from .reducer import Reducer
 from .scaler import LossScaler
 from .state import ShardState, apply_shard_state, capture_shard_state, full_group_values
 from .topology import Topology, build_topology
+from .unit_state import UnitState
 from .weights import WeightsError
 
 logger = logging.getLogger("hf_zero")
@@ -66,6 +67,8 @@ class ZeroEngine:
         self._check_optimizer(model, optimizer)
         self.plan: ShardPlan = plan_model(model, self.comm.world_size, config, self.partition_comm.world_size)
         self.pool = BufferPool()
+        # stage 3: one state per unit (gathered or not, where the step is), shared by the unit and its groups
+        self.unit_states = [UnitState() for _ in self.plan.units]
         self.groups = self._load(record) if record is not None else None
         if self.groups is None:
             self._move_buffers()
@@ -193,7 +196,8 @@ class ZeroEngine:
             accum = torch.float32 if (cfg.grad_accum_dtype == "fp32" and low) else gp.dtype
             groups.append(FlatGroup(gp, members, cfg.stage, rank, self.device, master_dtype, master_device, accum,
                                     full, shard_device, offload_master=cfg.offload_optimizer == "cpu",
-                                    values_lo=lo, frozen_block=frozen_block))
+                                    values_lo=lo, frozen_block=frozen_block,
+                                    unit_state=self.unit_states[gp.unit] if cfg.stage == 3 else None))
             if loader is None:  # a model read from its files gets its gradients at the first backward (peak)
                 groups[-1].allocate_grads()
             del full
@@ -202,8 +206,8 @@ class ZeroEngine:
     def _build_gatherer(self) -> Gatherer:
         modules = dict([("", self.model)] + find_unit_modules(self.model, self.config.units))
         units = [Unit(u.index, u.name, modules[u.name], [self.groups[i] for i in u.groups],
-                      self.topology.gather_route(self.gathered, is_root=(u.name == "")), self.gathered,
-                      is_root=(u.name == "")) for u in self.plan.units]
+                      self.topology.gather_route(u.reshard_after_forward), self.gathered, self.unit_states[u.index],
+                      u.reshard_after_forward) for u in self.plan.units]
         return Gatherer(units, self.config.prefetch, self.gathered,
                         on_backward_start=self.reducer.queue_end_of_backward)
 

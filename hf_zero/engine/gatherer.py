@@ -39,7 +39,7 @@ from .buffers import FlatGroup
 from .collectives.hierarchical import PartitionGather
 from .comm import Handle, wait_all
 from .profiling import phase
-from .unit_state import GatherState, UnitState
+from .unit_state import ShardedState, UnitState
 
 
 class GatheredBytes:
@@ -75,91 +75,106 @@ class _PostBackward(torch.autograd.Function):
 
 
 class Unit:
-    """A module whose parameter groups are gathered and released together; `state` (unit_state.py) is the one
-    record of whether they are, which its groups share."""
+    """A module whose parameter groups are gathered and released together. `state` (unit_state.py) is the one
+    record of what its parameters are and where the step is; its groups share it. The unit does the work (issues
+    the all-gathers through its `route`, frees and counts memory) and moves the state.
+
+    `reshard_after_forward` (the plan's, from the option of that name): release after a forward with grad that a
+    backward will follow (False: stay gathered into the backward, which then gathers nothing). The root unit
+    (index 0: the embeddings, final norm and head, used at both ends of the forward) never reshards after forward
+    and is released only when the whole backward is done."""
 
     def __init__(self, index: int, name: str, module: nn.Module, groups: List[FlatGroup], route: PartitionGather,
-                 meter: GatheredBytes, is_root: bool = False) -> None:
+                 meter: GatheredBytes, state: UnitState, reshard_after_forward: bool = True) -> None:
         self.index, self.name, self.module, self.groups = index, name or "<root>", module, groups
         self.route, self.meter = route, meter  # where the all-gathers come from: plain or hpZ
-        self.state = UnitState()
-        for group in groups:
-            group.unit_state = self.state
+        self.state = state
+        assert all(g.unit_state is state for g in groups), "a unit's groups share its state"
         self.handles: List[Handle] = []
-        self.in_backward = False
-        self.pending_groups = 0  # trainable groups not yet handed to the reducer in this backward
-        self.forwards_pending = 0  # forwards with grad whose backward has not yet reached the unit's inputs
-        self.pinned = False  # inside gathered_parameters(): hooks never release
-        self.is_root = is_root  # the root stays gathered from its forward to the end of the backward
+        self.is_root = index == 0
+        self.reshard_after_forward = reshard_after_forward and not self.is_root
+        self._trainable_groups = sum(1 for g in groups if g.plan.trainable)
+
+    def _versions(self) -> List[int]:
+        return [g.version for g in self.groups]
 
     # ------------------------------------------------------------ gather / release
     def issue_gather(self) -> None:
-        if not self.state.sharded:
+        st = self.state
+        if not st.sharded:
             return
         with phase("gather"):
-            self.route.refresh(self.groups)
-            for group in self.groups:
+            versions = self._versions()
+            if st.kept_stale(versions):
+                self._drop_kept()  # the step changed the shards since the slices were cut
+            kept = st.kept or [None] * len(self.groups)
+            for group, slice_ in zip(self.groups, kept):
                 full = group.alloc_full()
                 self.meter.add(group.full_bytes)
-                self.handles.append(self.route.all_gather(group, full, f"params of unit {self.name}"))
-            self.state.to_gathering([g.version for g in self.groups])
+                self.handles.append(self.route.all_gather(group, full, f"params of unit {self.name}", slice_))
+            st.to_gathering(versions)
 
     def refresh(self) -> None:
-        """Before a forward: a unit still gathered from a forward that no backward followed (the root, or a
-        metric computed with grad enabled), whose shards a step has changed since, is released to be gathered
-        again."""
-        if not self.pinned and not self.in_backward and self.state.stale([g.version for g in self.groups]):
-            self.forwards_pending = 0  # those forwards' graphs can no longer be backpropagated into this unit
+        """Before a forward: a unit still gathered from a forward that no backward followed (one that does not
+        reshard after forward, or a metric computed with grad enabled), whose shards a step has changed since, is
+        released to be gathered again."""
+        st = self.state
+        if not st.pinned and not st.in_backward and st.stale(self._versions()):
+            st.forwards_pending = 0  # those forwards' graphs can no longer be backpropagated into this unit
             self.release()
-
-    def keep_secondary(self) -> None:
-        """Before a release that a backward will follow: the route keeps what the backward gathers from (hpZ)."""
-        if self.state.gathered:
-            self.route.keep(self.groups)
-
-    def drop_secondary(self) -> None:
-        self.route.drop()
 
     def wait_gather(self) -> None:
         self.issue_gather()
-        if self.state.value is GatherState.GATHERING:
+        if self.state.value is ShardedState.GATHERING:
             with phase("gather.wait"):
                 wait_all(self.handles)
             self.state.to_gathered()
 
-    def release(self) -> None:
-        if self.state.sharded or self.pinned:
+    def release(self, keep: bool = False) -> None:
+        """Free the full parameters; `keep`: a backward will follow, so keep what the route keeps for it (hpZ's
+        slices over the host group)."""
+        st = self.state
+        if st.sharded or st.pinned:
             return
         self.wait_gather()  # a prefetch that was never used still has to complete
         with phase("release"):
+            kept = None
+            if keep and st.kept is None:
+                slices = [self.route.keep(g) for g in self.groups]
+                if all(t is not None for t in slices):
+                    kept = slices
+                    self.meter.add_secondary(sum(t.numel() * t.element_size() for t in kept))
             for group in self.groups:
                 self.meter.add(-group.full_bytes)
                 group.free_full()
-            self.state.to_sharded()
+            st.to_sharded(kept)
+
+    def _drop_kept(self) -> None:
+        kept = self.state.drop_kept()
+        if kept:
+            self.meter.add_secondary(-sum(t.numel() * t.element_size() for t in kept))
 
     # ------------------------------------------------------------ backward bookkeeping
     def start_backward(self) -> None:
-        if not self.in_backward:
-            self.in_backward = True
-            self.pending_groups = sum(1 for g in self.groups if g.plan.trainable)
+        self.state.start_backward(self._trainable_groups)
         self.wait_gather()
 
     def group_launched(self) -> None:
-        self.pending_groups -= 1
+        self.state.groups_pending -= 1
         self._maybe_release_after_backward()
 
     def inputs_done(self) -> None:
-        self.forwards_pending = max(0, self.forwards_pending - 1)
+        self.state.forwards_pending = max(0, self.state.forwards_pending - 1)
         self._maybe_release_after_backward()
 
     def _maybe_release_after_backward(self) -> None:
-        if self.in_backward and not self.is_root and self.pending_groups <= 0 and self.forwards_pending == 0:
-            self.drop_secondary()
+        if not self.is_root and self.state.backward_done():
+            self._drop_kept()
             self.release()
 
     def end_backward(self) -> None:
-        self.in_backward, self.forwards_pending, self.pending_groups = False, 0, 0
-        self.drop_secondary()
+        self.state.end_backward()
+        self._drop_kept()
         self.release()
 
 
@@ -209,22 +224,24 @@ class Gatherer:
                 self.order.append(unit)
             # a forward with grad inside a backward: a checkpoint around the unit's __call__ recomputes it
             recomputing = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+            st = unit.state
             if recomputing:
                 unit.start_backward()
                 for prev in self._next_units(unit, backward=True):
                     prev.issue_gather()
             else:
+                st.start_forward()
                 unit.refresh()
                 unit.wait_gather()
                 for nxt in self._next_units(unit, backward=False):
                     nxt.issue_gather()
-            if not torch.is_grad_enabled() or unit is self.root or (recomputing and unit.forwards_pending > 0):
+            if not torch.is_grad_enabled() or unit.is_root or (recomputing and st.forwards_pending > 0):
                 return None
             flat, spec = tree_flatten((args, kwargs))
             idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if not idx:
                 return None
-            unit.forwards_pending += 1
+            st.forwards_pending += 1
             out = _PostBackward.apply(unit, *[flat[i] for i in idx])
             out = out if isinstance(out, tuple) else (out,)
             for i, t in zip(idx, out):
@@ -235,6 +252,7 @@ class Gatherer:
 
     def _make_post(self, unit: Unit):
         def post_forward(module: nn.Module, args: Any, output: Any):
+            unit.state.end_forward()
             grad_outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if torch.is_grad_enabled() and grad_outputs:
                 def pre_backward(grad: torch.Tensor) -> torch.Tensor:
@@ -246,9 +264,8 @@ class Gatherer:
 
                 for t in grad_outputs:
                     t.register_hook(pre_backward)
-                if unit is not self.root and not unit.in_backward:
-                    unit.keep_secondary()  # hpZ: the backward gathers inside the host
-                    unit.release()
+                if unit.reshard_after_forward and not unit.state.in_backward:
+                    unit.release(keep=True)  # hpZ: the backward gathers inside the host
             else:
                 unit.release()
             return None
@@ -258,7 +275,7 @@ class Gatherer:
     def wait(self) -> None:
         """Wait for every all-gather in flight (prefetches included); the units stay as they are."""
         for unit in self.units:
-            if unit.state.value is GatherState.GATHERING:
+            if unit.state.value is ShardedState.GATHERING:
                 unit.wait_gather()
 
     def on_group_launched(self, group: FlatGroup) -> None:
@@ -277,10 +294,10 @@ class Gatherer:
             unit.issue_gather()
         for unit in self.units:
             unit.wait_gather()
-            unit.pinned = True
+            unit.state.pinned = True
         try:
             yield
         finally:
             for unit in self.units:
-                unit.pinned = False
+                unit.state.pinned = False
                 unit.release()

@@ -17,7 +17,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..config import ZeroConfig
+from ..config import ZeroConfig, ZeroConfigError
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,16 @@ class GroupPlan:
 
 @dataclass
 class UnitPlan:
-    """A module gathered and released as one piece at stage 3 (the root unit has name "")."""
+    """A module gathered and released as one piece at stage 3 (the root unit has name "").
+
+    `reshard_after_forward`: whether stage 3 frees the unit's gathered parameters after a forward with grad (and
+    gathers them again for the backward); the root never does (`reshard_policy`)."""
 
     index: int
     name: str
     module_type: str
     groups: List[int] = field(default_factory=list)
+    reshard_after_forward: bool = True
 
 
 @dataclass
@@ -84,6 +88,14 @@ class ShardPlan:
     @property
     def padding(self) -> int:
         return sum(g.padded_numel - g.numel for g in self.groups)
+
+    def resident_groups(self) -> List[int]:
+        """Stage 3: the groups of the units that do not reshard after forward (the root, and others by the
+        reshard_after_forward policy), gathered once per micro-batch instead of twice (the `resident` of the
+        estimator's formulas); none below stage 3."""
+        if self.stage != 3:
+            return []
+        return [i for u in self.units if not u.reshard_after_forward for i in u.groups]
 
     def largest_unit_numel(self) -> int:
         return max((sum(self.groups[i].padded_numel for i in u.groups) for u in self.units), default=0)
@@ -162,6 +174,7 @@ def plan_model(model: nn.Module, world_size: int, config: ZeroConfig,
     for name, p in model.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), (p, []))[1].append(name)
 
+    reshard_policy(units, config)
     partition = 1 if config.stage == 0 else (partition_size or world_size)
     # Bucket cap in elements, per compute dtype; stage 3 never splits a unit.
     groups: List[GroupPlan] = []
@@ -188,6 +201,28 @@ def plan_model(model: nn.Module, world_size: int, config: ZeroConfig,
         g.padded_numel = -(-g.numel // partition) * partition if g.numel else 0
         g.shard_numel = g.padded_numel // partition
     return ShardPlan(world_size=world_size, partition_size=partition, stage=config.stage, units=units, groups=groups)
+
+
+def reshard_policy(units: List[UnitPlan], config: ZeroConfig) -> None:
+    """Set each unit's `reshard_after_forward` from the option of that name and its per-unit exceptions (a unit's
+    qualified name wins over its class name). The root (index 0) never reshards: its embeddings are used at the
+    start of the forward and its head at the end, right before the backward starts with it. "auto" (torchtitan's
+    default) also keeps the last unit gathered: its backward follows its forward at once."""
+    policy, overrides = config.reshard_after_forward, dict(config.reshard_after_forward_modules or {})
+    last = units[-1].index if len(units) > 1 else None
+    for unit in units:
+        value = policy is not False if policy != "auto" else unit.index != last
+        for key in (unit.module_type, unit.name):  # the class first, so that the qualified name wins
+            value = overrides.get(key, value)
+        unit.reshard_after_forward = value and unit.index != 0
+    unknown = set(overrides) - {u.name for u in units[1:]} - {u.module_type for u in units[1:]}
+    if unknown:
+        names = [u.name for u in units[1:]]
+        raise ZeroConfigError(
+            f"reshard_after_forward_modules names {sorted(unknown)}, which are no stage-3 units of this model; its "
+            f"units are {names[:3] + ['...'] if len(names) > 3 else names} (classes: "
+            f"{sorted({u.module_type for u in units[1:]})}). Use a unit's qualified name or class name.",
+            "reshard_after_forward_modules")
 
 
 def iter_owned_segments(group: GroupPlan, rank: int) -> Iterable[Tuple[Slot, int, int]]:

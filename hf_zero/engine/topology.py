@@ -27,6 +27,7 @@ from typing import List, Optional, Tuple, Union
 import torch.distributed as dist
 
 from ..config import ZeroConfig, ZeroConfigError
+from ..options import bits
 from .collectives.hierarchical import HostGather, HostsReduce, PartitionGather, ReplicatedReduce
 from .collectives.quantized import Quantized
 from .comm import Comm, Ledger
@@ -68,15 +69,14 @@ class Topology:
         partition = self.gradients or self.partition
         return partition if self.replicas is None else ReplicatedReduce(partition, self.replicas)
 
-    def gather_route(self, meter, is_root: bool = False) -> PartitionGather:
-        """Where one stage-3 unit's all-gathers come from: the partition group (quantized under qwZ), or under hpZ
-        (not the root, which stays gathered into its backward) the host group's secondary slices in the backward
-        (slices of the gathered values: under qwZ already quantized, copied exactly). `meter`: counts the slices'
-        bytes (`add_secondary`)."""
+    def gather_route(self, reshard_after_forward: bool = True) -> PartitionGather:
+        """Where one stage-3 unit's all-gathers come from: the partition group (quantized under qwZ), or under hpZ,
+        for a unit that reshards after forward, the host group's slices in the backward (slices of the gathered
+        values: under qwZ already quantized, copied exactly)."""
         partition = self.weights or self.partition
-        if self.secondary is None or is_root:
+        if self.secondary is None or not reshard_after_forward:
             return PartitionGather(partition)
-        return HostGather(partition, self.secondary, meter)
+        return HostGather(partition, self.secondary)
 
     def comms(self) -> List[Comm]:
         """Every Comm of the engine (world first)."""
@@ -161,8 +161,9 @@ def build_topology(group: Optional[dist.ProcessGroup], config: ZeroConfig) -> To
     hosts, local_sizes = _launch_hosts(world)
     n = world.world_size
     option, k = "none", n
-    for name, kind in (("shard_group_size", "hsdp"), ("hpz_partition_size", "hpz")):
-        value = getattr(config, name)
+    hpz_name = "hpz_partition_size" if config.hpz_partition_size is not None else "reshard_after_forward"
+    for name, kind, value in (("shard_group_size", "hsdp", config.shard_group_size),
+                              (hpz_name, "hpz", config.hpz_size)):
         if value is None or (kind == "hsdp" and config.stage == 0):
             continue
         k = _resolve(name, value, n, hosts, local_sizes)
@@ -198,11 +199,11 @@ def _quantize(topo: Topology, config: ZeroConfig, local_sizes: List[Optional[int
         return
     block = config.quantization_block_size
     if config.quantized_weights != "none" and config.stage == 3:
-        w_bits = int(config.quantized_weights[3:])
+        w_bits = bits(config.quantized_weights)
         topo.weights = topo.partition.sibling(lambda inner: Quantized(inner, block, w_bits, gradients=False))
     if config.quantized_gradients == "none" or config.stage < 2:
         return
-    g_bits = int(config.quantized_gradients[3:])
+    g_bits = bits(config.quantized_gradients)
     topo.feedback = ErrorFeedback() if config.quantized_error_feedback else None
 
     def quantized(inner):

@@ -24,11 +24,13 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
-from .kinds import Bytes, Choice, ClassNames, Flag, GroupSize, Integer, Kind, Number, ZeroConfigError
+from .kinds import (Bytes, Choice, ClassNames, Flag, GroupSize, Integer, Kind, Number, Overrides, Reshard,
+                    ZeroConfigError)
 
 __all__ = ["OPTIONS", "BY_NAME", "ENGINE", "PLUGIN", "QUESTIONS", "Option", "Requirement", "Question", "Kind", "Choice",
-           "Integer", "Bytes", "Number", "GroupSize", "Flag", "ClassNames", "ZeroConfigError", "check_values", "unmet",
-           "asked", "declare", "args_doc", "markdown", "section_markers", "page_section", "replace_page_section",
+           "Integer", "Bytes", "Number", "GroupSize", "Flag", "ClassNames", "Reshard", "Overrides", "ZeroConfigError",
+           "check_values", "unmet", "asked", "declare", "args_doc", "markdown", "section_markers", "page_section",
+           "replace_page_section",
            "HIERARCHICAL", "QUANTIZATION_BITS", "bits"]
 
 # ------------------------------------------------------------------------------------------------ declarations
@@ -233,6 +235,21 @@ OPTIONS: Tuple[Option, ...] = (
                              "hosts), hpz (stage 3: secondary per-host copy for the backward) (none/hsdp/hpz)", 90),
            requires=(Requirement("stage", (1, 2, 3), "{name}={value!r} needs stage 1-3 (stage 0 partitions "
                                  "nothing)"),)),
+    Option("reshard_after_forward", "auto", Reshard(),
+           'Stage 3: which units free their gathered parameters after the forward (FSDP2\'s policy of that name). '
+           'true: every unit but the root (the paper\'s 3Ψ per step: each unit all-gathered for its forward and again '
+           'for its backward); "auto": every unit but the root and the last one, whose backward comes right after its '
+           'forward (torchtitan\'s default: saves that unit\'s second all-gather for holding it gathered meanwhile); '
+           'false: none (2Ψ, all parameters gathered from forward to backward); K ranks: as true, but each rank keeps '
+           'a secondary partition over its group of K (hpZ; the same as hpz_partition_size=K).',
+           requires=(Requirement("stage", (3,), "{name}={value!r} is stage 3's policy (only stage 3 partitions the "
+                                 "parameters); got stage={other_value}. Use stage=3 or drop the option."),)),
+    Option("reshard_after_forward_modules", None, Overrides(),
+           'Stage 3: per-unit exceptions to reshard_after_forward, as {name: true/false}, a name being a unit\'s '
+           'qualified name (model.layers.3) or its class name (LlamaDecoderLayer); the qualified name wins. A name '
+           'that matches no unit is an error when the model is sharded.',
+           requires=(Requirement("stage", (3,), "{name} sets stage 3's reshard policy per unit; got "
+                                 "stage={other_value}."),)),
 )
 
 BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, ClassVar, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 
 class ZeroConfigError(ValueError):
@@ -291,3 +291,68 @@ class ClassNames(Kind):
 
     def plain(self, value: Any) -> Any:
         return None if value is None else [u if isinstance(u, str) else u.__name__ for u in value]
+
+
+@dataclass(frozen=True)
+class Reshard(Kind):
+    """Stage 3's reshard-after-forward policy: "auto" (every unit but the last), true, false, or K ranks (reshard
+    to the hpZ group of K: keep a secondary partition over K ranks between the forward and the backward)."""
+
+    annotation: ClassVar[Any] = Union[bool, int, str]
+    metavar: ClassVar[str] = "{auto,true,false,K}"
+
+    def check(self, name: str, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, bool) or (_is_int(value) and value >= 2):
+            return value
+        raise ZeroConfigError(f"{name}={value!r}; allowed: \"auto\" (every unit but the last), true, false, or a "
+                              f"number of ranks K >= 2 that divides the world size (reshard to the hpZ group of K)",
+                              name)
+
+    def parse(self, text: str, label: str) -> Any:
+        word = text.strip().lower()
+        if word in ("auto", "true", "yes", "false", "no"):
+            return {"auto": "auto", "true": True, "yes": True}.get(word, False)
+        value = _integer_text(text)
+        if value is None or value < 2:
+            raise argparse.ArgumentTypeError(f"{label} takes auto, true, false or a number of ranks >= 2; got {text!r}")
+        return value
+
+    def allowed(self) -> str:
+        return '"auto" (every unit but the last), true, false, or K ranks (reshard to the hpZ group of K)'
+
+    def show(self, value: Any) -> str:
+        return {True: "true", False: "false"}.get(value, str(value))
+
+
+@dataclass(frozen=True)
+class Overrides(Kind):
+    """None, or a mapping of module names (a unit's qualified name, or its class name) to true or false."""
+
+    annotation: ClassVar[Any] = Optional[Mapping[str, bool]]
+    metavar: ClassVar[str] = "NAME=BOOL[,NAME=BOOL...]"
+
+    def check(self, name: str, value: Any) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, bool)
+                                                     for k, v in value.items()):
+            raise ZeroConfigError(f"{name}={value!r} must map module names (a unit's qualified name such as "
+                                  f"'model.layers.3', or a class name such as 'LlamaDecoderLayer') to true or false, "
+                                  f"or be None", name)
+        return dict(value)
+
+    def parse(self, text: str, label: str) -> Any:
+        out = {}
+        for item in (i.strip() for i in text.split(",") if i.strip()):
+            key, _, word = item.partition("=")
+            flag = {"true": True, "yes": True, "false": False, "no": False}.get(word.strip().lower())
+            if not key.strip() or flag is None:
+                raise argparse.ArgumentTypeError(f"{label} takes NAME=true/false pairs separated by commas; "
+                                                 f"got {item!r}")
+            out[key.strip()] = flag
+        return out
+
+    def allowed(self) -> str:
+        return "a mapping of unit names or class names to true/false, or None"

@@ -17,7 +17,7 @@ The routes see the flat groups (engine/buffers.py `FlatGroup`: `lo`, `hi`, `shar
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -66,59 +66,40 @@ class HostsReduce:
 
 
 class PartitionGather:
-    """Plain stage 3: a unit's groups all-gathered from every rank's shard over the partition group."""
+    """Plain stage 3: a unit's groups all-gathered from every rank's shard over the partition group. Keeps nothing
+    after a forward (`keep` returns None)."""
 
     def __init__(self, comm: "Comm") -> None:
         self.comm = comm
 
-    def all_gather(self, group: "FlatGroup", full: torch.Tensor, tag: str) -> Handle:
+    def all_gather(self, group: "FlatGroup", full: torch.Tensor, tag: str,
+                   kept: Optional[torch.Tensor] = None) -> Handle:
         if group.quantized:  # quantized frozen weights: the codes and scales are what the rank keeps
             return self.comm.all_gather_codes(full, group.codes, group.scales, group.block, tag)
         local = full[group.lo:group.hi]
         local.copy_(group.shard, non_blocking=True)  # from CPU when parameters are offloaded
         return self.comm.all_gather(full, local, tag)
 
-    def refresh(self, groups: Sequence["FlatGroup"]) -> None:
-        """Before a gather: forget what the shards' changes made stale (nothing here)."""
-
-    def keep(self, groups: Sequence["FlatGroup"]) -> None:
-        """Before a release that a backward will follow (nothing kept here)."""
-
-    def drop(self) -> None:
-        """After the unit's backward: free what `keep` kept (nothing here)."""
+    def keep(self, group: "FlatGroup") -> Optional[torch.Tensor]:
+        """What to keep of a gathered group when it is released after a forward a backward will follow."""
+        return None
 
 
 class HostGather(PartitionGather):
-    """hpZ (ZeRO++'s hierarchical partition): the backward gathers inside the host from kept secondary slices.
+    """hpZ (ZeRO++'s hierarchical partition): `keep` cuts this rank's slice of the gathered group over its host
+    group; a gather given that slice (`kept`: the unit's state holds it, SHARDED_POST_FORWARD) runs inside the host."""
 
-    `meter`: has `add_secondary(nbytes)` (the gatherer's GatheredBytes), told of every slice kept and freed."""
-
-    def __init__(self, comm: "Comm", secondary: "Comm", meter) -> None:
+    def __init__(self, comm: "Comm", secondary: "Comm") -> None:
         super().__init__(comm)
-        self.secondary, self.meter = secondary, meter
-        self._slices: Optional[Dict[int, Tuple[torch.Tensor, int]]] = None  # id(group) -> (slice, shard version)
+        self.secondary = secondary
 
-    def all_gather(self, group: "FlatGroup", full: torch.Tensor, tag: str) -> Handle:
-        if self._slices is None:
+    def all_gather(self, group: "FlatGroup", full: torch.Tensor, tag: str,
+                   kept: Optional[torch.Tensor] = None) -> Handle:
+        if kept is None:
             return super().all_gather(group, full, tag)
-        return self.secondary.all_gather(full, self._slices[id(group)][0], f"{tag} (hpZ)")
+        return self.secondary.all_gather(full, kept, f"{tag} (hpZ)")
 
-    def refresh(self, groups: Sequence["FlatGroup"]) -> None:
-        if self._slices is not None and any(self._slices[id(g)][1] != g.version for g in groups):
-            self.drop()  # the step changed the shards since the slices were cut
-
-    def keep(self, groups: Sequence["FlatGroup"]) -> None:
-        if self._slices is not None:
-            return
-        k, j = self.secondary.world_size, self.secondary.rank
-        self._slices = {}
-        for group in groups:
-            size = group.plan.padded_numel // k
-            self._slices[id(group)] = (group.full[j * size:(j + 1) * size].clone(), group.version)
-            self.meter.add_secondary(size * group.full.element_size())
-
-    def drop(self) -> None:
-        if self._slices is not None:
-            self.meter.add_secondary(-sum(t.numel() * t.element_size() for t, _ in self._slices.values()))
-            self._slices = None
-
+    def keep(self, group: "FlatGroup") -> Optional[torch.Tensor]:
+        size = group.plan.padded_numel // self.secondary.world_size
+        j = self.secondary.rank
+        return group.full[j * size:(j + 1) * size].clone()

@@ -15,7 +15,7 @@ ranks:
 - elements communicated per step, measured (hf_zero: its collective ledger, data kinds only; DDP: a comm hook
   counting 2x each all-reduced bucket; DeepSpeed: every torch.distributed collective, scalars left out) beside the
   formula (`hf_zero.tools.estimate.formulas.comm_elements_per_step`; hf_zero's rows: `hierarchical_comm_elements`,
-  with the root unit resident at stage 3); hf_zero's rows also split them into intra-host and inter-host, measured
+  with the root unit and the last block resident at stage 3); hf_zero's rows also split them into intra-host and inter-host, measured
   (the ledger) and by the formula for the hosts the run had (the bench runs on one host: everything intra).
 
 The hierarchical systems (zero1-hsdp, zero2-hsdp, zero3-hsdp: `shard_group_size=K`; zero3-hpz:
@@ -142,14 +142,14 @@ def _peak_bytes(device) -> int:
 
 
 def _resident(model) -> int:
-    """The root unit's elements (everything outside the repeated blocks; a weight tied across units counts there):
-    hf_zero's stage 3 keeps them gathered from the forward through the backward. Unpadded, from the planner's pure
-    layout on one rank."""
+    """The elements hf_zero's stage 3 keeps gathered from the forward through the backward under the default
+    reshard_after_forward ("auto"): the root unit (everything outside the repeated blocks; a weight tied across
+    units counts there) and the last block. Unpadded, from the planner's pure layout on one rank."""
     from ... import ZeroConfig
     from ...engine.planning import plan_model
 
     plan = plan_model(model, 1, ZeroConfig(stage=3))
-    return sum(plan.groups[i].numel for i in plan.units[0].groups)
+    return sum(plan.groups[i].numel for i in plan.resident_groups())
 
 
 def _per_step(after: Dict[str, float], before: Optional[Dict[str, float]], steps: int) -> Dict[str, float]:

@@ -17,7 +17,7 @@ class Counts:
 
     psi: float  # trainable elements (tied weights once)
     frozen: float  # frozen elements
-    resident: float  # the root unit's elements: hf_zero's stage 3 keeps them gathered from forward to backward
+    resident: float  # elements hf_zero's stage 3 keeps gathered from forward to backward: the root and the last block
     world: int  # N
 
 

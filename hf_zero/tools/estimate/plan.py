@@ -208,13 +208,14 @@ def estimate_plan(model_or_config: Any, world_size: int, config: Optional[ZeroCo
 
 
 def comm_sizes(plan: ShardPlan) -> Tuple[int, int, int]:
-    """(trainable, frozen, root) padded elements of a plan: what its collectives move (the ledger counts the padded
-    flat buffers). The root unit's parameters (trainable and frozen) stay gathered from forward to backward at
-    stage 3 (the `resident` of the formulas)."""
+    """(trainable, frozen, resident) padded elements of a plan: what its collectives move (the ledger counts the
+    padded flat buffers). The resident ones (trainable and frozen) stay gathered from forward to backward at stage 3:
+    the root unit's and those of the units the reshard_after_forward policy keeps (the `resident` of the
+    formulas)."""
     trainable = sum(g.padded_numel for g in plan.groups if g.trainable)
     frozen = sum(g.padded_numel for g in plan.groups if not g.trainable)
-    root = sum(plan.groups[i].padded_numel for i in plan.units[0].groups)
-    return trainable, frozen, root
+    resident = sum(plan.groups[i].padded_numel for i in plan.resident_groups())
+    return trainable, frozen, resident
 
 
 def wire_bytes(plan: ShardPlan, config: ZeroConfig) -> Dict[str, int]:
@@ -424,11 +425,11 @@ def _plan_collectives(planner: "Planner", stage: int, n: int, k: int, options: D
                       micro_batches: int) -> List[Collective]:
     """One combination from the planner: every flat group is one collective per phase (the engine's), with its
     padded size, its compute dtype for the gathers and the reduce dtype (ZeroConfig.reduce_torch_dtype) for the
-    reductions; the root unit's groups are resident; frozen groups are gathered, never reduced. HSDP lays the
+    reductions; the groups of units that do not reshard after forward are resident; frozen groups are gathered, never reduced. HSDP lays the
     model out over K ranks."""
     cfg = planner.config_for(stage)
     plan = planner.plan(stage, k if options.get("hsdp") and 1 < k < n else n)
-    root = set(plan.units[0].groups) if stage == 3 else set()
+    root = set(plan.resident_groups())
     out: List[Collective] = []
     for g in plan.groups:
         if not g.padded_numel:
