@@ -560,10 +560,15 @@ def test_stage3_user_checkpoint_keeps_gathers_bounded(dist_results, world_size, 
     numel padded up to a multiple of the world size (fp32, 4 bytes):
     - memory_stats()["gathered_params_peak"] <= root + (prefetch + 2) blocks: the root unit (embedding, final
       norm, head) stays gathered through the backward by design, plus the block in use, the prefetched one and
-      one being released (the whole model would be root + 8 blocks);
+      one being released (the last block, which by default (reshard_after_forward="auto", as torchtitan does)
+      also stays gathered from its forward into its backward, is the block in use when the backward starts; the
+      whole model would be root + 8 blocks);
     - per step, all-gather <= root + 2 x blocks and >= the unpadded Ψ: each unit once in the forward, each block
       once more for its recomputation + backward (the paper's 2Ψ of all-gathers; recomputing must not cost a
-      third gather), and reduce-scatter between Ψ and the padded Ψ (each unit's gradients once);
+      third gather); non-reentrant: <= root + (2 x blocks - 1), the last block (resident by default) not gathered
+      again; reentrant checkpointing runs the blocks' forward under no_grad, which reshards every unit (a forward
+      without grad), the last block too, so its recomputation gathers it again; and reduce-scatter between Ψ and
+      the padded Ψ (each unit's gradients once);
     - losses, norms and final weights equal the single-process reference trained WITHOUT checkpointing."""
     model = make_stack(CKPT_BLOCKS)
     root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
@@ -572,7 +577,8 @@ def test_stage3_user_checkpoint_keeps_gathers_bounded(dist_results, world_size, 
     root_p, block_p = _padded(root, world_size), _padded(block, world_size)
     prefetch = 1
     peak_bound = 4 * (root_p + (prefetch + 2) * block_p)
-    ag_bound, rs_bound = root_p + 2 * CKPT_BLOCKS * block_p, root_p + CKPT_BLOCKS * block_p
+    backward_blocks = CKPT_BLOCKS - (ckpt == "non_reentrant")  # blocks gathered again for the backward
+    ag_bound, rs_bound = root_p + (CKPT_BLOCKS + backward_blocks) * block_p, root_p + CKPT_BLOCKS * block_p
     ranks = dist_results(world_size, f"user-ckpt-{ckpt}")
     problems = []
     for r, res in enumerate(ranks):
