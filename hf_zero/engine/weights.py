@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
@@ -290,22 +291,42 @@ def meta_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
+class _MetaParameters(threading.local):
+    """Per thread: how many `parameters_on_meta` blocks are open (a thread started inside one starts at 0)."""
+
+    depth = 0
+
+
+_META = _MetaParameters()
+_META_HOOK: List[Any] = []  # the one registration handle, made on first use and kept for the process
+_META_HOOK_LOCK = threading.Lock()
+
+
+def _parameter_to_meta(module: nn.Module, name: str, param: nn.Parameter) -> Optional[nn.Parameter]:
+    """torch's parameter-registration hook: in a thread inside `parameters_on_meta`, the parameter being
+    registered becomes a meta one of the same class, shape, dtype, requires_grad and attributes; elsewhere None
+    (torch keeps the parameter as given)."""
+    if not _META.depth or param.device.type == "meta":
+        return None
+    meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+    meta.__dict__.update(param.__dict__)
+    return meta
+
+
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Build modules inside this block with their parameters on the meta device (no memory, no init cost later)
-    and their buffers computed as usual on the host (rotary `inv_freq` and other non-persistent buffers)."""
-    register = nn.Module.register_parameter
+    and their buffers computed as usual on the host (rotary `inv_freq` and other non-persistent buffers).
 
-    def to_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
-        register(module, name, param)
-        p = module._parameters.get(name)
-        if p is not None and p.device.type != "meta":
-            kwargs = dict(p.__dict__)
-            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
-            module._parameters[name].__dict__.update(kwargs)
-
-    nn.Module.register_parameter = to_meta  # type: ignore[method-assign]
+    Only this thread's modules are affected. Through torch's public
+    `torch.nn.modules.module.register_module_parameter_registration_hook` (called by every
+    `Module.register_parameter`, so by every `self.weight = nn.Parameter(...)`): hf_zero registers its hook once
+    per process, on first use, and the hook does nothing outside such a block. No torch attribute is replaced."""
+    with _META_HOOK_LOCK:
+        if not _META_HOOK:
+            _META_HOOK.append(nn.modules.module.register_module_parameter_registration_hook(_parameter_to_meta))
+    _META.depth += 1
     try:
         yield
     finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        _META.depth -= 1
