@@ -7,8 +7,10 @@ systems' ranks in two namespace hosts over a rate-limited link.
   --lockstep and --load are errors before anything runs; where namespaces cannot be made, the bench says why and
   exits 2; `hf-zero bench --hosts` / `--link-rate` exit 2 naming `python -m benchmarks.two_hosts`;
 - the bench on the tiny preset, 2 ranks per host: rows say the link and 2 hosts of 2, and the ledger books what the
-  formulas say, counted here from the preset's shapes: plain stage 3 sends everything between the hosts,
-  4 (3Ψ - r) bytes; hpZ books its backward all-gathers inside the host, 4 (Ψ - r), and the rest between them;
+  formulas say, counted here from the preset's shapes (r: the resident elements, the root unit and the last block,
+  which stage 3 keeps gathered from forward into backward by default, reshard_after_forward="auto" as torchtitan
+  does): plain stage 3 sends everything between the hosts, 4 (3Ψ - r) bytes; hpZ books its backward all-gathers
+  inside the host, 4 (Ψ - r), and the rest between them;
   hpZ + qwZ (int8) + qgZ (int4) sends codes and fp32 scales (qgZ in two hops: inside the host, then the host's
   sums across), under 0.3x of plain stage 3's bytes between the hosts.
 
@@ -143,11 +145,12 @@ def test_hf_zero_bench_names_the_two_host_command(args, flags, capsys):
 # ------------------------------------------------------------------------------------------------ the bench
 def _counts():
     """Ψ of the tiny preset (written out: 2 layers, width 64, vocabulary 512, 128 positions; wte tied to lm_head)
-    and its root unit (everything outside the blocks), counted from the shapes."""
+    and its resident elements under the default reshard_after_forward ("auto"): the root unit (everything outside
+    the blocks) and the last block, counted from the shapes."""
     d, v, p, layers = 64, 512, 128, 2
     block = 2 * (2 * d) + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
     root = v * d + p * d + 2 * d
-    return layers * block + root, root
+    return layers * block + root, root + block
 
 
 def _qbytes(elements, world, bits):
@@ -172,7 +175,7 @@ def test_bench_across_two_hosts_books_the_formula(tmp_path):
     (link,) = payload["settings"]["links"]
     assert link["rate"] == LINK and 0.8 * 2e8 <= link["measured_bps"] <= 1.2 * 2e8, link
     assert payload["settings"]["threads_per_rank"] == 1 and payload["settings"]["hosts"] == 2
-    psi, root = _counts()
+    psi, resident = _counts()
     for name, r in rows.items():
         assert r["status"] == "ok", r
         assert r["link_rate"] == LINK and r["num_hosts"] == 2 and r["host_size"] == 2, r
@@ -182,14 +185,14 @@ def test_bench_across_two_hosts_books_the_formula(tmp_path):
         assert line in proc.stdout, proc.stdout
 
     plain = rows["zero3"]  # everything over the world group, which spans the hosts
-    assert plain["comm_bytes_measured_inter"] == plain["comm_bytes_formula_inter"] == 4 * (3 * psi - root), plain
+    assert plain["comm_bytes_measured_inter"] == plain["comm_bytes_formula_inter"] == 4 * (3 * psi - resident), plain
     assert plain["comm_bytes_measured_intra"] == plain["comm_bytes_formula_intra"] == 0, plain
-    assert plain["comm_elements_measured_inter"] == 3 * psi - root, plain
+    assert plain["comm_elements_measured_inter"] == 3 * psi - resident, plain
 
     hpz = rows["zero3-hpz"]  # the backward's all-gathers inside the host, the rest between the hosts
-    assert hpz["comm_bytes_measured_split_by_kind"]["intra"] == {"all_gather": 4 * (psi - root)}, hpz
+    assert hpz["comm_bytes_measured_split_by_kind"]["intra"] == {"all_gather": 4 * (psi - resident)}, hpz
     assert hpz["comm_bytes_measured_split_by_kind"]["inter"] == {"all_gather": 4 * psi, "reduce_scatter": 4 * psi}
-    assert hpz["comm_bytes_formula_intra"] == 4 * (psi - root) and hpz["comm_bytes_formula_inter"] == 8 * psi, hpz
+    assert hpz["comm_bytes_formula_intra"] == 4 * (psi - resident) and hpz["comm_bytes_formula_inter"] == 8 * psi, hpz
 
     zpp = rows["zero3-hpz-qwz-qgz"]  # int8 weights between the hosts (the host's backward copy exact); int4
     # gradients in qgZ's two hops: Ψ reduce-scattered inside the host, then the host's Ψ/K sums across the hosts
@@ -197,13 +200,13 @@ def test_bench_across_two_hosts_books_the_formula(tmp_path):
     assert "quantized-int8" in zpp["strategies_booked"] and "quantized-int4" in zpp["strategies_booked"], zpp
     k, hosts = WORLD // 2, 2
     elements = zpp["comm_elements_measured_split_by_kind"]
-    assert elements["intra"] == {"all_gather": psi - root, "reduce_scatter": psi}, elements
+    assert elements["intra"] == {"all_gather": psi - resident, "reduce_scatter": psi}, elements
     assert elements["inter"] == {"all_gather": psi, "reduce_scatter": psi / k}, elements
     booked = zpp["comm_bytes_measured_split_by_kind"]
     # the formula quantizes the step's total; the engine each unit's: a partial block (one scale) more per rank
     # and collective at most
     slack = 4 * WORLD * 8
-    assert booked["intra"]["all_gather"] == 4 * (psi - root), booked
+    assert booked["intra"]["all_gather"] == 4 * (psi - resident), booked
     assert 0 <= booked["inter"]["all_gather"] - _qbytes(psi, WORLD, 8) <= slack, booked
     assert 0 <= booked["intra"]["reduce_scatter"] - _qbytes(psi, k, 4) <= slack, booked
     hop2 = hosts * _qbytes(psi, WORLD, 4) // WORLD  # the H ranks of one local index: H x quantized_nbytes(Ψ/N)
