@@ -8,8 +8,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .partitioned import partition_parameter
-from .quantize import dequantize, quantize
+from .partitioned import partition_parameter, set_gathered
+from .quantize import dequantize, pack, quantize, unpack
 from .unit_state import UnitState
 from .planning import GroupPlan
 
@@ -103,9 +103,9 @@ class FlatGroup:
             # (the owned range read straight from the files is already a tensor of its own: no second copy)
             self.shard = _host_pinned(shard, device)
             self.full = torch.empty(plan.padded_numel, dtype=plan.dtype, device=device)
-        # quantized frozen weights (stage 3, frozen groups): the shard kept as int8 codes + fp32 scales only
-        self.codes: Optional[torch.Tensor] = None
-        self.scales: Optional[torch.Tensor] = None
+        # quantized frozen weights (stage 3, frozen groups): the shard kept as int8 codes + fp32 scales only, packed
+        # in one uint8 tensor (quantize.pack), which is also what its all-gather sends
+        self.packed: Optional[torch.Tensor] = None
         self.block = frozen_block
         if stage == 3 and not plan.trainable and frozen_block is not None:
             self._store_quantized(self.shard)
@@ -169,6 +169,10 @@ class FlatGroup:
         for p, view in zip(self.params, self.views(buf)):
             p.data = view
 
+    def set_gathered(self, gathered: bool) -> None:
+        """Stage 3: the parameters read their values (the unit is gathered) or refuse reads (partitioned.py)."""
+        set_gathered(self.params, gathered)
+
     def alloc_full(self) -> torch.Tensor:
         """Stage 3: give the full buffer its memory back (contents undefined until the all-gather lands)."""
         storage = self.full.untyped_storage()
@@ -200,23 +204,23 @@ class FlatGroup:
     @property
     def quantized(self) -> bool:
         """Whether the shard is kept as int8 codes and scales (quantized_frozen_weights)."""
-        return self.codes is not None
+        return self.packed is not None
 
     def _store_quantized(self, values: torch.Tensor) -> None:
-        codes, scales = quantize(values.reshape(-1), self.block, 8)
-        self.codes, self.scales = _host_pinned(codes, self.device), _host_pinned(scales, self.device)
+        self.packed = _host_pinned(pack(*quantize(values.reshape(-1), self.block, 8)), self.device)
         self.shard = self.shard.new_empty(0)  # the compute-dtype shard is gone: the codes are the storage
 
     def frozen_values(self) -> torch.Tensor:
         """A frozen group's owned values in the compute dtype (dequantized from the codes when quantized)."""
         if not self.quantized:
             return self.shard
-        return dequantize(self.codes, self.scales, self.block, self.hi - self.lo, 8, dtype=self.plan.dtype)
+        n = self.hi - self.lo
+        return dequantize(*unpack(self.packed, n, self.block, 8), self.block, n, 8, dtype=self.plan.dtype).view(n)
 
     def load_frozen_values(self, values: torch.Tensor) -> None:
         """Replace a frozen group's owned values (quantized again when the group keeps codes)."""
         if self.quantized:
-            self._store_quantized(values.to(device=self.codes.device, dtype=self.plan.dtype))
+            self._store_quantized(values.to(device=self.packed.device, dtype=self.plan.dtype))
         else:
             self.shard.copy_(values)
         self.version += 1
@@ -229,8 +233,7 @@ class FlatGroup:
 
     def state_bytes(self) -> Dict[str, int]:
         """Bytes of model states this group holds on this rank."""
-        params = _bytes(self.full) if self.stage < 3 else _bytes(self.shard) + _bytes(self.codes) + _bytes(
-            self.scales)
+        params = _bytes(self.full) if self.stage < 3 else _bytes(self.shard) + _bytes(self.packed)
         grads = _bytes(self._grad_full) if self._grad_full is not None else _bytes(self._grad_shard)
         master = 0 if (self.master is None or self.master_is_shard) else _bytes(self.master)
         trainable = params if self.plan.trainable else 0

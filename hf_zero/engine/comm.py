@@ -24,11 +24,11 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import Chain, Collectives, Handle, choose, gloo_device_types, wait_all
+from .collectives import Chain, Collectives, Handle, Quantization, choose, gloo_device_types, wait_all
 from .exit import hold
-from .quantize import dequantize_chunks, quantized_nbytes
 
-__all__ = ["Chain", "CollectiveMismatchError", "Comm", "DATA_KINDS", "Handle", "Ledger", "gloo_device_types",
+__all__ = ["Chain", "CollectiveMismatchError", "Comm", "DATA_KINDS", "Handle", "Ledger", "Quantization",
+           "gloo_device_types",
            "wait_all"]
 
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
@@ -96,7 +96,7 @@ class Comm:
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, debug: bool = False, debug_timeout_s: float = 120,
                  ledger: Optional[Ledger] = None, collectives: str = "auto",
-                 wrap: Optional[Callable[[Collectives], Collectives]] = None):
+                 quantization: Optional[Quantization] = None):
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group
         self.rank = dist.get_rank(group) if self.distributed else 0
@@ -113,7 +113,7 @@ class Comm:
         self.ledger = ledger if ledger is not None else Ledger()
         self.spans_hosts = False
         self.collectives = collectives
-        self._wrap = wrap  # a strategy around the chosen one (ZeRO++'s quantized collectives: `sibling`)
+        self.quantization = quantization  # ZeRO++: what the strategy quantizes (`sibling`)
         self._debug_timeout_s = debug_timeout_s
         self._strategies: Dict[str, Collectives] = {}
         if group is not None:
@@ -124,12 +124,13 @@ class Comm:
         self.group = None
         self._strategies.clear()
 
-    def sibling(self, wrap: Callable[[Collectives], Collectives]) -> "Comm":
-        """A Comm over the same group and ledger whose strategy is `wrap(the chosen one)`: the engine gives the
-        collectives that ZeRO++ quantizes (stage-3 weight gathers, gradient reduce-scatters) their own Comm, so
-        everything else on the group (checkpoints, exports, the step's gathers) stays exact."""
+    def sibling(self, quantization: Quantization) -> "Comm":
+        """A Comm over the same group and ledger whose collectives quantize as `quantization` says: the engine gives
+        the collectives that ZeRO++ quantizes (stage-3 weight gathers, gradient reduce-scatters, quantized frozen
+        shards) their own Comm, so everything else on the group (checkpoints, exports, the step's gathers) stays
+        exact."""
         twin = Comm(self.group, debug=self.debug, debug_timeout_s=self._debug_timeout_s, ledger=self.ledger,
-                    collectives=self.collectives, wrap=wrap)
+                    collectives=self.collectives, quantization=quantization)
         twin.spans_hosts = self.spans_hosts
         return twin
 
@@ -191,9 +192,8 @@ class Comm:
         """How this group's collectives on `device_type` tensors go on the wire: chosen on first use, then kept."""
         chosen = self._strategies.get(device_type)
         if chosen is None:
-            chosen = choose(self.collectives, device_type, self.group, self.rank, self._global_ranks,
-                            self.distributed)
-            self._strategies[device_type] = chosen = self._wrap(chosen) if self._wrap is not None else chosen
+            chosen = self._strategies[device_type] = choose(self.collectives, device_type, self.group, self.rank,
+                                                            self._global_ranks, self.distributed, self.quantization)
         return chosen
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = True) -> Handle:
@@ -203,27 +203,6 @@ class Comm:
         self._check("all_gather", tag, out.numel())
         self._record(strategy, "all_gather", out, out.numel())
         return strategy.all_gather(out, inp, async_op)
-
-    def all_gather_codes(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_size: int,
-                         tag: str = "") -> Handle:
-        """All-gather a shard kept as int8 codes and fp32 scales (quantized frozen weights) and dequantize every
-        rank's chunk into `out` (its dtype) when the handle is waited for. Booked as an all-gather of
-        out.numel() elements (paper counting), sent as codes plus scales ("quantized-int8")."""
-        strategy = self.strategy(out.device.type)
-        inner = getattr(strategy, "inner", strategy)  # a quantizing strategy's own: the codes are ready
-        self._check("all_gather", tag, out.numel())
-        w, n = self.world_size, codes.numel()
-        if self.distributed:
-            self.ledger.record("all_gather", out.numel(), out.element_size(), self.spans_hosts, "quantized-int8",
-                               w * quantized_nbytes(n, block_size, 8))
-        codes, scales = codes.to(out.device, non_blocking=True), scales.to(out.device, non_blocking=True)
-        all_codes, all_scales = codes.new_empty(w * n), scales.new_empty(w * scales.numel())
-        works = [inner.all_gather(all_codes, codes, True), inner.all_gather(all_scales, scales, True)]
-
-        def finish() -> None:
-            dequantize_chunks(all_codes.view(w, -1), all_scales.view(w, -1), block_size, n, 8, out=out)
-
-        return Handle(works, finish)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = True,
                        on_done: Optional[Callable[[], None]] = None) -> Handle:

@@ -320,8 +320,7 @@ class ZeroEngine:
         out["hpz_secondary"] = self.gathered.secondary  # hpZ's host-group slices kept for the backward
         out["hpz_secondary_peak"] = self.gathered.secondary_peak
         out["gathered_params"] = sum(g.gathered_bytes for g in self.groups)
-        feedback = self.topology.feedback  # qgZ's error feedback: an fp32 residual per gradient group and hop
-        out["error_feedback"] = feedback.nbytes if feedback is not None else 0
+        out["error_feedback"] = self.topology.feedback_bytes  # qgZ's: an fp32 residual per gradient group and hop
         out["buffers"] = (out["module_buffers"] + out["comm_buffers"] + out["gathered_params"] + out["hpz_secondary"]
                           + out["error_feedback"])
         out["total"] = out["model_states"] + out["buffers"]

@@ -12,7 +12,7 @@ Hooks per unit module:
 - release after backward: when the unit's trainable groups have been handed to the reducer and the backward
   has reached the unit's inputs; whatever is left is released when autograd finishes.
 
-Where a unit's all-gather comes from is its gather route (engine/collectives/hierarchical.py), chosen once when
+Where a unit's all-gather comes from is its gather route (engine/routes.py), chosen once when
 the engine is built: plain, every rank's shard over the partition group; hpZ (ZeRO++'s hierarchical partition),
 which keeps each rank's slice of the gathered parameters over its host group when a unit is released after a
 forward that a backward will follow (`keep`), runs the backward's all-gather (and a recomputation's) inside the
@@ -36,9 +36,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .buffers import FlatGroup
-from .collectives.hierarchical import PartitionGather
 from .comm import Handle, wait_all
 from .profiling import phase
+from .routes import PartitionGather
 from .unit_state import ShardedState, UnitState
 
 
@@ -129,6 +129,8 @@ class Unit:
             with phase("gather.wait"):
                 wait_all(self.handles)
             self.state.to_gathered()
+            for group in self.groups:
+                group.set_gathered(True)  # plain nn.Parameter while the values are there: no check per op
 
     def release(self, keep: bool = False) -> None:
         """Free the full parameters; `keep`: a backward will follow, so keep what the route keeps for it (hpZ's
@@ -146,6 +148,7 @@ class Unit:
                     self.meter.add_secondary(sum(t.numel() * t.element_size() for t in kept))
             for group in self.groups:
                 self.meter.add(-group.full_bytes)
+                group.set_gathered(False)
                 group.free_full()
             st.to_sharded(kept)
 

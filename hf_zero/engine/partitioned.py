@@ -4,8 +4,12 @@ A released stage-3 parameter keeps its registered object (optimizers, PEFT, tied
 views all hold it), its shape, dtype and device; only its storage is resized to zero bytes. Reading such a tensor
 in C++ reads freed memory and kills the process (SIGSEGV). `PartitionedParameter` is the same `nn.Parameter`
 with a `__torch_function__` that lets metadata through (shape, numel, dtype, device, grad, hooks, `.data = ...`,
-no-op `.to()` / `.cpu()`), lets everything through while its flat group is gathered (forward, backward,
-`gathered_parameters()`), and otherwise raises `ParameterNotGatheredError` naming the parameter.
+no-op `.to()` / `.cpu()`) and otherwise raises `ParameterNotGatheredError` naming the parameter.
+
+A parameter is a PartitionedParameter only while its unit is released: the unit makes it a plain `nn.Parameter`
+again once its values are gathered (`set_gathered`), so the forward, the backward and `gathered_parameters()` run
+without a `__torch_function__` on every op (a Python call per op on the hot path otherwise), and makes it a
+PartitionedParameter again when it frees the values. The object, its `__dict__` and its registrations stay.
 
 Why not FSDP2's swap of registered parameters (a sharded DTensor outside forward, a full tensor inside): a DTensor
 shards each parameter along a dimension, while hf_zero's shards are ranges of a unit's flat buffer that cut
@@ -109,9 +113,17 @@ def _not_gathered(func: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any])
     return None
 
 
+def set_gathered(params: Any, gathered: bool) -> None:
+    """Stage 3: `params` (of one flat group, already partitioned) hold their values (plain nn.Parameter) or not
+    (PartitionedParameter, which refuses reads)."""
+    cls = nn.Parameter if gathered else PartitionedParameter
+    for p in params:
+        p.__class__ = cls
+
+
 def partition_parameter(p: nn.Parameter, name: str, group: Any) -> None:
     """Turn `p` (in place, same object) into a PartitionedParameter of `group` named `name`."""
-    if type(p) is not nn.Parameter and not isinstance(p, PartitionedParameter):
+    if type(p) not in (nn.Parameter, PartitionedParameter):
         raise TypeError(f"hf_zero stage 3 partitions plain nn.Parameter objects; {name} is a "
                         f"{type(p).__name__}")
     p.__class__ = PartitionedParameter

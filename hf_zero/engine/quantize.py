@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["QMAX", "ErrorFeedback", "check_format", "codes_numel", "dequantize", "dequantize_chunks", "num_blocks",
-           "quantize", "quantize_chunks", "quantized_nbytes"]
+           "pack", "quantize", "quantize_chunks", "quantized_nbytes", "unpack"]
 
 QMAX: Dict[int, int] = {8: 127, 4: 7}
 SCALE_BYTES = 4  # scales travel as fp32
@@ -74,6 +74,21 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, block_size: int, numel
     buffer; `dtype` is then ignored), which is returned."""
     values = dequantize_chunks(codes, scales, block_size, numel, bits, dtype, out, chunks=1)
     return values.view(numel) if out is None else out
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """One uint8 tensor holding `codes` then the fp32 `scales`' bytes (quantized_nbytes of them, no padding): what a
+    rank keeps of a quantized frozen shard, and what one all-gather sends (collectives/quantized.py)."""
+    return torch.cat([codes.reshape(-1).view(torch.uint8), scales.reshape(-1).view(torch.uint8)])
+
+
+def unpack(packed: torch.Tensor, numel: int, block_size: int, bits: int = 8) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of rows of `pack`ed values of `numel` elements each: packed [rows, quantized_nbytes] (or 1-D,
+    one row) -> codes [rows, codes_numel], scales [rows, num_blocks] (fp32, copied: a view could be misaligned)."""
+    rows = packed.view(-1, quantized_nbytes(numel, block_size, bits))
+    n = codes_numel(numel, bits)
+    codes = rows[:, :n] if bits == 4 else rows[:, :n].view(torch.int8)
+    return codes, rows[:, n:].clone(memory_format=torch.contiguous_format).view(torch.float32)
 
 
 def quantize_chunks(x: torch.Tensor, chunks: int, block_size: int, bits: int = 8

@@ -18,8 +18,8 @@ returns, so no collective of the reducer's is left in flight. Sums are divided b
 `finalize()`, which only the step (and a clip outside no_sync()) calls. "The end of the backward" is the end of the
 outermost one: a nested backward (reentrant activation checkpointing) ending inside it is not (`_end_of_backward`).
 
-Every reduce-scatter goes through the reduce route chosen when the engine was built (engine/collectives/
-hierarchical.py): the partition group's own, or under HSDP the reduce-scatter over the partition group chained to
+Every reduce-scatter goes through the reduce route chosen when the engine was built (engine/
+routes.py): the partition group's own, or under HSDP the reduce-scatter over the partition group chained to
 the all-reduce of the owned range over the replicas, so the shard holds the sum over all N ranks.
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def weak_hook(method: Callable) -> Callable:
 
 
 class ReduceRoute(Protocol):
-    """What the reducer reduce-scatters through: a Comm, or a hierarchical route (collectives/hierarchical.py)."""
+    """What the reducer reduce-scatters through: a Comm, or a hierarchical route (engine/routes.py)."""
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "",
                        on_done: Optional[Callable[[], None]] = None) -> Handle: ...

@@ -28,10 +28,8 @@ import torch.distributed as dist
 
 from ..config import ZeroConfig, ZeroConfigError
 from ..options import bits
-from .collectives.hierarchical import HostGather, HostsReduce, PartitionGather, ReplicatedReduce
-from .collectives.quantized import Quantized
-from .comm import Comm, Ledger
-from .quantize import ErrorFeedback
+from .comm import Comm, Ledger, Quantization
+from .routes import HostGather, HostsReduce, PartitionGather, ReplicatedReduce
 
 logger = logging.getLogger("hf_zero")
 
@@ -58,8 +56,14 @@ class Topology:
     group_size: int
     weights: Optional[Comm] = None  # ZeRO++ qwZ: the partition group, all-gathers block-quantized
     gradients: Optional[Comm] = None  # ZeRO++ qgZ: the partition group, reduce-scatters block-quantized
-    feedback: Optional[ErrorFeedback] = None  # qgZ's error feedback: one residual per gradient group and hop
+    frozen: Optional[Comm] = None  # quantized frozen weights: the partition group, gathering packed int8 shards
     hosts_reduce: Optional[HostsReduce] = None  # qgZ over ranks on several hosts of K > 1: two hops
+
+    @property
+    def feedback_bytes(self) -> int:
+        """Bytes of qgZ's error-feedback residuals (one fp32 residual per gradient group and hop)."""
+        stores = {id(q.feedback): q.feedback for c in self.comms() if (q := c.quantization) and q.feedback}
+        return sum(f.nbytes for f in stores.values())
 
     def reduce_route(self) -> Union[Comm, ReplicatedReduce]:
         """What gradients are reduce-scattered through: the partition group (quantized under qgZ), or under HSDP
@@ -75,14 +79,14 @@ class Topology:
         values: under qwZ already quantized, copied exactly)."""
         partition = self.weights or self.partition
         if self.secondary is None or not reshard_after_forward:
-            return PartitionGather(partition)
-        return HostGather(partition, self.secondary)
+            return PartitionGather(partition, self.frozen)
+        return HostGather(partition, self.secondary, self.frozen)
 
     def comms(self) -> List[Comm]:
         """Every Comm of the engine (world first)."""
         two_hops = (self.hosts_reduce.intra, self.hosts_reduce.inter) if self.hosts_reduce is not None else ()
         return [c for c in (self.world, self.partition, self.replicas, self.secondary, self.weights, self.gradients,
-                            *two_hops) if c is not None]
+                            self.frozen, *two_hops) if c is not None]
 
     @property
     def num_hosts(self) -> int:
@@ -193,22 +197,19 @@ def build_topology(group: Optional[dist.ProcessGroup], config: ZeroConfig) -> To
 
 def _quantize(topo: Topology, config: ZeroConfig, local_sizes: List[Optional[int]]) -> None:
     """ZeRO++: the partition group's quantized twins for the stage-3 weight all-gathers (qwZ) and the gradient
-    reduce-scatters (qgZ; in two hops when the partition spans hosts of K > 1 ranks). A one-rank partition sends
-    nothing, so nothing is quantized there."""
+    reduce-scatters (qgZ; in two hops when the partition spans hosts of K > 1 ranks), and the one that gathers
+    quantized frozen shards. A one-rank partition sends nothing, so qwZ and qgZ quantize nothing there."""
+    block = config.quantization_block_size
+    if config.quantized_frozen_weights != "none" and config.stage == 3:  # the shards are codes: even on one rank
+        topo.frozen = topo.partition.sibling(Quantization(bits(config.quantized_frozen_weights), block_size=block))
     if topo.partition.world_size == 1:
         return
-    block = config.quantization_block_size
     if config.quantized_weights != "none" and config.stage == 3:
-        w_bits = bits(config.quantized_weights)
-        topo.weights = topo.partition.sibling(lambda inner: Quantized(inner, block, w_bits, gradients=False))
+        topo.weights = topo.partition.sibling(Quantization(bits(config.quantized_weights), block_size=block))
     if config.quantized_gradients == "none" or config.stage < 2:
         return
-    g_bits = bits(config.quantized_gradients)
-    topo.feedback = ErrorFeedback() if config.quantized_error_feedback else None
-
-    def quantized(inner):
-        return Quantized(inner, block, g_bits, weights=False, feedback=topo.feedback)
-
+    quantized = Quantization(gradients_bits=bits(config.quantized_gradients), block_size=block,
+                             error_feedback=config.quantized_error_feedback)
     topo.gradients = topo.partition.sibling(quantized)
     k = _host_size(topo, local_sizes)
     if k is not None:

@@ -2,23 +2,26 @@
 
 `ZeroConfig.collectives` names the way: "flat" (flat.py), "chunked" (chunked.py), or "auto": chunked where the
 group's backend runs that device's collectives on gloo, flat otherwise (NCCL). Without torch.distributed the world
-is one rank (local.py). The hierarchical routes (HSDP's replicated reduce, hpZ's host-group gather) compose the
-engine's Comms over several groups: hierarchical.py.
+is one rank (local.py). A strategy sees tensors and its group only; the routes that compose the engine's Comms
+over several groups (HSDP's replicated reduce, hpZ's host-group gather, qgZ's two hops) are engine/routes.py.
 
 To add a way: a new file with a `Collectives` subclass (base.py) and its name in `STRATEGIES`; the ledger books
 its `wire_bytes` under its `name` (`Ledger.by_strategy`).
 
 `Quantized(inner, block_size, bits=8, weights=True, gradients=True)` (quantized.py) is ZeRO++'s qwZ / qgZ wrapped
-around another strategy: block-quantized all-gather through `inner`, block-quantized reduce-scatter over
-all_to_all, the rest `inner`'s. It takes arguments beyond the group, so it is not a value of the `collectives`
-option and not in `STRATEGIES`: the engine builds it around the strategy `choose` returns.
+around another strategy: block-quantized all-gather through `inner` (or one of an already quantized, packed
+shard), block-quantized reduce-scatter over all_to_all, the rest `inner`'s. It takes arguments beyond the group,
+so it is not a value of the `collectives` option and not in `STRATEGIES`: `choose` builds it around the chosen
+strategy when a Comm is given a `Quantization`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Type
 
 import torch.distributed as dist
 
+from ..quantize import ErrorFeedback
 from .base import Chain, Collectives, Handle, issued, wait_all
 from .chunked import Chunked
 from .flat import Flat
@@ -28,7 +31,8 @@ from .quantized import Quantized
 STRATEGIES: Dict[str, Type[Collectives]] = {"flat": Flat, "chunked": Chunked}
 CHOICES = ("auto", *STRATEGIES)
 
-__all__ = ["Chain", "Chunked", "Collectives", "Flat", "Handle", "Local", "Quantized", "STRATEGIES", "choose",
+__all__ = ["Chain", "Chunked", "Collectives", "Flat", "Handle", "Local", "Quantization", "Quantized", "STRATEGIES",
+           "choose",
            "gloo_device_types", "issued", "wait_all"]
 
 
@@ -42,13 +46,38 @@ def gloo_device_types(backend: str) -> Set[str]:
     return {device.strip() for device, name in pairs if name.strip() == "gloo"}
 
 
+@dataclass(frozen=True)
+class Quantization:
+    """What a Comm's collectives quantize (ZeRO++): the code width of its floating all-gathers (qwZ; 0: exact) or of
+    its reduce-scatters (qgZ; 0: exact), the elements per fp32 scale, and qgZ's error feedback (one store of
+    residuals, shared by every Comm given this object: a gradient group's one-hop or two-hop reduce-scatters)."""
+
+    weights_bits: int = 0
+    gradients_bits: int = 0
+    block_size: int = 256
+    error_feedback: bool = False
+    feedback: Optional[ErrorFeedback] = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.weights_bits and self.gradients_bits and self.weights_bits != self.gradients_bits:
+            raise ValueError("one Comm quantizes with one code width: give weights and gradients their own Comm")
+        if self.error_feedback and self.feedback is None:
+            object.__setattr__(self, "feedback", ErrorFeedback())
+
+
 def choose(name: str, device_type: str, group: Optional[dist.ProcessGroup], rank: int,
-           global_ranks: List[int], distributed: bool = True) -> Collectives:
-    """The `Collectives` named `name` ("auto" resolved for `device_type` and the group's backend) over `group`."""
-    if not distributed:
-        return Local(group, rank, global_ranks)
-    if name == "auto":
+           global_ranks: List[int], distributed: bool = True,
+           quantization: Optional[Quantization] = None) -> Collectives:
+    """The `Collectives` named `name` ("auto" resolved for `device_type` and the group's backend) over `group`,
+    inside `Quantized` when `quantization` is given. The one place that looks at whether torch.distributed runs,
+    at the backend and at the options that choose a strategy."""
+    if name == "auto" and distributed:
         name = "chunked" if device_type in gloo_device_types(str(dist.get_backend(group))) else "flat"
-    if name not in STRATEGIES:
+    if name not in CHOICES:
         raise ValueError(f"collectives={name!r}; allowed: {', '.join(CHOICES)}")
-    return STRATEGIES[name](group, rank, global_ranks)
+    chosen = STRATEGIES[name](group, rank, global_ranks) if distributed else Local(group, rank, global_ranks)
+    q = quantization
+    if q is None or not (q.weights_bits or q.gradients_bits):
+        return chosen
+    return Quantized(chosen, q.block_size, q.weights_bits or q.gradients_bits, weights=bool(q.weights_bits),
+                     gradients=bool(q.gradients_bits), feedback=q.feedback)

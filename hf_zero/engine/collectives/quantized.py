@@ -11,6 +11,8 @@
   rank order 0..W-1 (the same bits on every rank and in every run, whatever the backend's reduction order) and
   writes the sum into `out`, in out's dtype, before `on_done`. This is qgZ's one-hop form over one group; the
   paper's runs an intra-node all-to-all, then an inter-node one, dequantizing, reducing and requantizing between.
+- an all-gather whose `inp` is uint8 into a floating `out` is already quantized (quantized frozen weights keep
+  their shard `pack`ed: codes, then fp32 scales): one all-gather of those bytes, dequantized into `out`.
 - all-reduce, other dtypes, and the kind switched off: the inner strategy, unchanged.
 
 A block holding an inf / nan dequantizes to nan as a whole (engine/quantize.py), so an fp16 overflow on any rank
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..quantize import (ErrorFeedback, check_format, dequantize_chunks, quantize, quantize_chunks,
-                        quantized_nbytes)
+                        quantized_nbytes, unpack)
 from .base import Collectives, Handle, issued
 
 
@@ -53,6 +55,8 @@ class Quantized(Collectives):
         self.name = f"quantized-int{bits}"
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Handle:
+        if out.is_floating_point() and inp.dtype is torch.uint8:
+            return self._gather_packed(out, inp, async_op)
         if not (self.weights and out.is_floating_point()):
             return self.inner.all_gather(out, inp, async_op)
         w, n = self.world_size, inp.numel()
@@ -66,6 +70,22 @@ class Quantized(Collectives):
             dequantize_chunks(all_codes.view(w, -1), all_scales.view(w, -1), self.block_size, n, self.bits, out=out)
 
         return issued(works, finish, async_op)
+
+    def _gather_packed(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Handle:
+        """`inp` is already quantized: the rank's chunk `pack`ed (codes, then fp32 scales; quantized frozen weights
+        keep their shard so); one all-gather of the packed bytes, every rank's chunk dequantized into `out`."""
+        w, n = self.world_size, out.numel() // self.world_size
+        if out.numel() != w * n or inp.numel() != quantized_nbytes(n, self.block_size, self.bits):
+            raise ValueError(f"all_gather: packed input of {inp.numel()} bytes is not {n} quantized values "
+                             f"(block {self.block_size}, int{self.bits}) for out of {out.numel()} over {w} ranks")
+        inp = inp.to(out.device, non_blocking=True)  # from host memory when parameters are offloaded
+        everyone = inp.new_empty(w * inp.numel())
+
+        def finish() -> None:
+            codes, scales = unpack(everyone, n, self.block_size, self.bits)
+            dequantize_chunks(codes, scales, self.block_size, n, self.bits, out=out)
+
+        return issued(self.inner.all_gather(everyone, inp, True), finish, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool,
                        on_done: Optional[Callable[[], None]], tag: str = "") -> Handle:

@@ -1,19 +1,24 @@
-"""The routes a gradient and a stage-3 parameter take over the engine's groups: plain, HSDP, hpZ.
+"""The routes a gradient and a stage-3 parameter take over the engine's groups: plain, HSDP, hpZ, qgZ across hosts.
 
-Each is chosen once when the engine is built (`Topology.reduce_route` / `gather_route`) and composes the Comms the
-topology made, each of which puts its collectives on the wire with its own `Collectives` strategy:
+A route composes Comms (engine/comm.py), each of which puts its collectives on the wire with its own strategy
+(engine/collectives/, which sees tensors only); a route sees the flat groups and picks the Comm and the tensors.
+
+Each is chosen once when the engine is built (`Topology.reduce_route` / `gather_route`) over the Comms the topology
+made:
 
 - reduce: plain = the partition Comm's reduce-scatter; HSDP (`ReplicatedReduce`) = the reduce-scatter over the
   partition group, then the all-reduce of the owned range over the replicas, chained to its completion; qgZ
   across hosts (`HostsReduce`) = a quantized reduce-scatter inside the host, then one across hosts.
 - gather (stage 3, one per unit): plain (`PartitionGather`) = the rank's shard copied into its chunk of the full
-  buffer, all-gathered over the partition group; hpZ (`HostGather`) = the same, but after a forward that a
-  backward will follow each rank keeps its slice of the gathered buffer over its host group (`keep`), and the
-  backward's all-gather (and a recomputation's) runs inside the host from those slices, until the unit's shards
-  change (`refresh`) or it is released after the backward (`drop`).
+  buffer, all-gathered over the partition group (a quantized frozen group: its packed codes, over the Comm whose
+  strategy dequantizes them); hpZ (`HostGather`, for a unit that reshards after forward) = the same, but when the
+  unit is released after a forward that a backward will follow, `keep` cuts each rank's slice of the gathered
+  buffer over its host group; the unit's state holds the slices (SHARDED_POST_FORWARD, engine/unit_state.py) and
+  hands them back to `all_gather`, which then runs inside the host, until the unit's backward is done or a step
+  changes the shards.
 
-The routes see the flat groups (engine/buffers.py `FlatGroup`: `lo`, `hi`, `shard`, `full`, `version`,
-`plan.padded_numel`; `quantized`, `codes`, `scales`, `block` for quantized frozen weights) and the Comms (engine/comm.py) by their attributes only.
+The routes see the flat groups (engine/buffers.py `FlatGroup`: `lo`, `hi`, `shard`, `full`, `plan.padded_numel`;
+`quantized`, `packed` for quantized frozen weights) and the Comms by their attributes only.
 """
 from __future__ import annotations
 
@@ -21,11 +26,11 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from .base import Chain, Handle
+from .collectives import Chain, Handle
 
 if TYPE_CHECKING:
-    from ..buffers import FlatGroup
-    from ..comm import Comm
+    from .buffers import FlatGroup
+    from .comm import Comm
 
 
 class ReplicatedReduce:
@@ -67,15 +72,16 @@ class HostsReduce:
 
 class PartitionGather:
     """Plain stage 3: a unit's groups all-gathered from every rank's shard over the partition group. Keeps nothing
-    after a forward (`keep` returns None)."""
+    after a forward (`keep` returns None). `frozen`: the partition group's Comm whose strategy gathers a packed
+    quantized shard (quantized frozen weights: the codes and scales are what the rank keeps)."""
 
-    def __init__(self, comm: "Comm") -> None:
-        self.comm = comm
+    def __init__(self, comm: "Comm", frozen: Optional["Comm"] = None) -> None:
+        self.comm, self.frozen = comm, frozen
 
     def all_gather(self, group: "FlatGroup", full: torch.Tensor, tag: str,
                    kept: Optional[torch.Tensor] = None) -> Handle:
-        if group.quantized:  # quantized frozen weights: the codes and scales are what the rank keeps
-            return self.comm.all_gather_codes(full, group.codes, group.scales, group.block, tag)
+        if group.quantized:
+            return self.frozen.all_gather(full, group.packed, tag)
         local = full[group.lo:group.hi]
         local.copy_(group.shard, non_blocking=True)  # from CPU when parameters are offloaded
         return self.comm.all_gather(full, local, tag)
@@ -89,8 +95,8 @@ class HostGather(PartitionGather):
     """hpZ (ZeRO++'s hierarchical partition): `keep` cuts this rank's slice of the gathered group over its host
     group; a gather given that slice (`kept`: the unit's state holds it, SHARDED_POST_FORWARD) runs inside the host."""
 
-    def __init__(self, comm: "Comm", secondary: "Comm") -> None:
-        super().__init__(comm)
+    def __init__(self, comm: "Comm", secondary: "Comm", frozen: Optional["Comm"] = None) -> None:
+        super().__init__(comm, frozen)
         self.secondary = secondary
 
     def all_gather(self, group: "FlatGroup", full: torch.Tensor, tag: str,
