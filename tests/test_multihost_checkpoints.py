@@ -305,15 +305,19 @@ def _train_script_module():
 
 
 def model_counts():
-    """(Ψ trainable elements, r elements of the root unit, parameter tensors, m micro-batches) of the script."""
+    """(Ψ trainable elements, r resident elements, parameter tensors, m micro-batches) of the script. Resident: what
+    stage 3 keeps gathered from forward into backward under the default reshard_after_forward ("auto", as
+    torchtitan does): the root unit (everything outside the blocks) and the last block."""
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     mod = _train_script_module()
     model = mod.tiny_gpt2()
     params = [p for p in model.parameters() if p.requires_grad]
-    in_blocks = {id(p) for m in model.modules() if isinstance(m, GPT2Block) for p in m.parameters()}
+    blocks = [m for m in model.modules() if isinstance(m, GPT2Block)]
+    in_blocks = {id(p) for m in blocks for p in m.parameters()}
+    in_last = {id(p) for p in blocks[-1].parameters()}
     psi = sum(p.numel() for p in params)
-    r = sum(p.numel() for p in params if id(p) not in in_blocks)
+    r = sum(p.numel() for p in params if id(p) not in in_blocks or id(p) in in_last)
     return psi, r, len(params), mod.GRAD_ACCUM
 
 
