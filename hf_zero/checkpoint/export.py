@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Un
 
 import safetensors.torch as _st
 import torch
-import torch.distributed as dist
 
 from ..engine.state import full_group_values, group_layout
 from .layout import config_texts, dtype_name, model_config_texts, model_layout
@@ -446,9 +445,7 @@ def _export_engine(engine: "ZeroEngine", out_dir: Path, model_config, tokenizer,
         reader.close()
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    status = [error]
-    if multi:
-        dist.broadcast_object_list(status, src=comm.global_rank(0), group=comm.group)
-    if status[0] is not None:
-        raise CheckpointError(f"exporting to {out_dir} failed on rank 0 ({status[0]}); {out_dir} is unchanged")
+    status = comm.control.share(error)
+    if status is not None:
+        raise CheckpointError(f"exporting to {out_dir} failed on rank 0 ({status}); {out_dir} is unchanged")
     return out_dir

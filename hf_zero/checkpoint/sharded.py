@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import safetensors.torch as _st  # called as _st.save_file so a test can patch safetensors.torch.save_file
 import torch
-import torch.distributed as dist
 
 from . import hosts
 from ..engine.state import group_layout, partition, persistent_buffers
@@ -78,9 +77,7 @@ def _whoami(comm: "Comm") -> str:
 
 def _exchange(comm: "Comm", obj: Any) -> List[Any]:
     """Collective over the engine's group: every rank's `obj` in rank order."""
-    if not (comm.distributed and comm.world_size > 1):
-        return [obj]
-    return hosts.all_gather_objects(obj, comm.group)
+    return comm.control.exchange(obj)
 
 
 # ---------------------------------------------------------------------------------------------- save
@@ -201,10 +198,7 @@ class _Save:
         self.comm = comm = engine.comm
         self.me = _whoami(comm)
         self.partition, self.partitions = partition(engine)
-        token = [uuid.uuid4().hex[:12]]
-        if comm.distributed and comm.world_size > 1:
-            dist.broadcast_object_list(token, src=comm.global_rank(0), group=comm.group)
-        self.save_id = token[0]
+        self.save_id = comm.control.share(uuid.uuid4().hex[:12])
         # the same name on every disk; each rank makes it beside its own `directory` (paths may differ per host)
         self.tmp = directory.parent / f"{directory.name}.tmp-{self.save_id}"
         self.leader = False
@@ -292,9 +286,7 @@ class _Save:
 
     def _share(self, payload: Any) -> Any:
         """Rank 0's payload on every rank (a broadcast: an all-gather would pad every rank's part to its size)."""
-        box = [payload]
-        dist.broadcast_object_list(box, src=self.comm.global_rank(0), group=self.comm.group)
-        return box[0]
+        return self.comm.control.share(payload)
 
     def _write_meta(self, payload: Optional[Tuple[str, Dict[str, bytes], bytes]]) -> None:
         if not self.leader:

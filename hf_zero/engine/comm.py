@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from datetime import timedelta
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .collectives import Chain, Collectives, Handle, Quantization, choose, gloo_device_types, wait_all
+from .control import CollectiveMismatchError, control_for
 from .exit import hold
 
 __all__ = ["Chain", "CollectiveMismatchError", "Comm", "DATA_KINDS", "Handle", "Ledger", "Quantization",
@@ -32,10 +32,6 @@ __all__ = ["Chain", "CollectiveMismatchError", "Comm", "DATA_KINDS", "Handle", "
            "wait_all"]
 
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks issued different collectives (the call that would otherwise hang)."""
 
 
 class Ledger:
@@ -102,14 +98,13 @@ class Comm:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.debug = debug and self.distributed and self.world_size > 1
-        self.debug_timeout = timedelta(seconds=debug_timeout_s)
-        self._calls = 0
         self._global_ranks = ([dist.get_global_rank(group, r) if group is not None else r
                                for r in range(self.world_size)] if self.distributed else [0])
         # The debug store's keys: the group's name (the same on its members, made by new_group in the same order)
         # and how many Comms this process made over it before (its members make them in the same order), so the
         # calls of two engines over one group never meet, whatever other groups other ranks made.
-        self._prefix = f"hfz/{_store_prefix(group)}" if self.debug else ""
+        self.control = control_for(group, self.debug, debug_timeout_s,
+                                   f"hfz/{_store_prefix(group)}" if self.debug else "")
         self.ledger = ledger if ledger is not None else Ledger()
         self.spans_hosts = False
         self.collectives = collectives
@@ -148,44 +143,12 @@ class Comm:
         self.ledger.reset()
 
     def _record(self, strategy: Collectives, kind: str, tensor: torch.Tensor, elements: int) -> None:
-        if self.distributed:  # a one-rank world without torch.distributed sends nothing
+        if strategy.sends:  # a one-rank world without torch.distributed sends nothing
             self.ledger.record(kind, elements, tensor.element_size(), self.spans_hosts, strategy.name,
                                strategy.wire_bytes(kind, elements, tensor.dtype))
 
     def snapshot(self) -> Dict[str, Dict[str, int]]:
         return self.ledger.snapshot()
-
-    # ------------------------------------------------------------------ debug
-    def _check(self, kind: str, tag: str, numel: int) -> None:
-        """Compare this call's fingerprint with every other rank's through the store; raise on a difference."""
-        self._calls += 1
-        if not self.debug:
-            return
-        store = dist.distributed_c10d._get_default_store()
-        desc = f"#{self._calls} {kind} of {numel} elements for {tag}"
-        store.set(f"{self._prefix}/{self._calls}/{self.rank}", desc)
-        others = [f"{self._prefix}/{self._calls}/{r}" for r in range(self.world_size) if r != self.rank]
-        try:
-            store.wait(others, self.debug_timeout)
-        except Exception as exc:  # a rank never reached this call: it ran fewer collectives
-            raise CollectiveMismatchError(
-                f"rank {self.rank} issued collective {desc}, but another rank did not issue collective #{self._calls} "
-                f"within {self.debug_timeout.total_seconds():.0f}s: ranks ran a different number of forwards/backwards "
-                f"(stage 3: wrap uneven work such as generate() in engine.gathered_parameters())"
-            ) from exc
-        for key in others:
-            theirs = store.get(key).decode()
-            if theirs.split(" ", 1)[1] != desc.split(" ", 1)[1]:
-                other = key.rsplit('/', 1)[1]
-                units = [_unit_of(d) for d in (desc, theirs)]
-                hint = (f" Rank {self.rank} was gathering unit {units[0]} and rank {other} unit {units[1]}: one of "
-                        f"them skipped or repeated a unit (a module that runs on some ranks only)."
-                        if all(units) else "")
-                raise CollectiveMismatchError(
-                    f"collective mismatch: rank {self.rank} issued {desc} but rank {other} issued {theirs}.{hint} "
-                    f"Ranks must run the same modules in the same order (stage 3: use engine.gathered_parameters() "
-                    f"around uneven work)"
-                )
 
     # ------------------------------------------------------------------ collectives
     def strategy(self, device_type: str) -> Collectives:
@@ -200,7 +163,7 @@ class Comm:
         """Concatenate every rank's `inp` into `out` (out.numel() == world * inp.numel()); `inp` may be `out`'s
         own chunk `rank`."""
         strategy = self.strategy(out.device.type)
-        self._check("all_gather", tag, out.numel())
+        self.control.check("all_gather", tag, out.numel())
         self._record(strategy, "all_gather", out, out.numel())
         return strategy.all_gather(out, inp, async_op)
 
@@ -212,7 +175,7 @@ class Comm:
         `inp`'s own chunk `rank`, which saves a copy and a buffer.
         """
         strategy = self.strategy(inp.device.type)
-        self._check("reduce_scatter", tag, inp.numel())
+        self.control.check("reduce_scatter", tag, inp.numel())
         self._record(strategy, "reduce_scatter", inp, inp.numel())
         return strategy.reduce_scatter(out, inp, async_op, on_done, tag)
 
@@ -221,27 +184,19 @@ class Comm:
                    op: dist.ReduceOp = dist.ReduceOp.SUM) -> Handle:
         """Sum (or `op`) `tensor` over ranks in place; `control=True` books it outside the data ledger."""
         strategy = self.strategy(tensor.device.type)
-        self._check("all_reduce", tag, tensor.numel())
+        self.control.check("all_reduce", tag, tensor.numel())
         self._record(strategy, "control" if control else "all_reduce", tensor, 2 * tensor.numel())
         return strategy.all_reduce(tensor, op, async_op, on_done)
 
+    # ------------------------------------------------------------------ the control plane (engine/control.py)
     def agree(self, error: Optional[str], tag: str = "") -> Optional[str]:
         """Collective: every rank's error (or None); returns "rank r: error" for the first rank that had one, so
         that a failure one rank found is raised on all of them instead of leaving the others to hang."""
-        if not self.distributed or self.world_size == 1:
-            return None if error is None else f"rank 0: {error}"
-        self._check("all_gather_object", tag, 1)
-        errors: List[Optional[str]] = [None] * self.world_size
-        dist.all_gather_object(errors, error, group=self.group)
-        return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
+        return self.control.agree(error, tag)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, tag: str = "") -> None:
         """Copy rank `src`'s tensor to every rank (used once at start so all ranks begin equal)."""
-        if not self.distributed or self.world_size == 1:
-            return
-        self._check("broadcast", tag, tensor.numel())
-        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
-        dist.broadcast(tensor, global_src, group=self.group)
+        self.control.broadcast(tensor, src, tag)
 
 
 _comms_per_group: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()
@@ -251,9 +206,3 @@ def _store_prefix(group: Optional[dist.ProcessGroup]) -> str:
     pg = group if group is not None else dist.group.WORLD
     _comms_per_group[pg] = n = _comms_per_group.get(pg, 0) + 1
     return f"{pg.group_name}/{n}"
-
-
-def _unit_of(description: str) -> Optional[str]:
-    """The stage-3 unit a collective's description names ("... for params of unit NAME"), if any."""
-    marker = "for params of unit "
-    return description.split(marker, 1)[1] if marker in description else None

@@ -19,10 +19,8 @@ chosen here too, once: `reduce_route`, `gather_route`.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Union
 
 import torch.distributed as dist
 
@@ -102,17 +100,6 @@ class Topology:
         return where
 
 
-def _launch_hosts(world: Comm) -> Tuple[List[str], List[Optional[int]]]:
-    """Every rank's hostname and LOCAL_WORLD_SIZE (one all_gather_object at start; a one-rank world: this host)."""
-    lws = os.environ.get("LOCAL_WORLD_SIZE")
-    mine = (socket.gethostname(), int(lws) if lws and lws.isdigit() else None)
-    if not world.distributed or world.world_size == 1:
-        return [mine[0]], [mine[1]]
-    everyone: List[Tuple[str, Optional[int]]] = [("", None)] * world.world_size
-    dist.all_gather_object(everyone, mine, group=world.group)
-    return [h for h, _ in everyone], [k for _, k in everyone]
-
-
 def _ranks_per_host(name: str, hosts: List[str], local_sizes: List[Optional[int]]) -> int:
     """K for `name="host"`: LOCAL_WORLD_SIZE, checked against the hostnames (blocks of K consecutive ranks, one
     host each)."""
@@ -162,7 +149,7 @@ def build_topology(group: Optional[dist.ProcessGroup], config: ZeroConfig) -> To
     """The engine's groups for `config` over `group` (default: the world); K is checked on every rank alike."""
     ledger = Ledger()
     world = Comm(group, debug=config.debug_collectives, ledger=ledger, collectives=config.collectives)
-    hosts, local_sizes = _launch_hosts(world)
+    hosts, local_sizes = world.control.hosts()  # one all_gather_object at start
     n = world.world_size
     option, k = "none", n
     hpz_name = "hpz_partition_size" if config.hpz_partition_size is not None else "reshard_after_forward"
@@ -184,7 +171,7 @@ def build_topology(group: Optional[dist.ProcessGroup], config: ZeroConfig) -> To
     elif option == "hpz":
         secondary = _blocks(world, k, config, ledger, by_host=True)
     for comm in (world, partition, replicas, secondary):
-        if comm is not None and comm.distributed:
+        if comm is not None:
             comm.spans_hosts = len({hosts[world.global_ranks.index(r)] for r in comm.global_ranks}) > 1
     topo = Topology(world, partition, replicas, secondary, hosts, option, k)
     _quantize(topo, config, local_sizes)

@@ -84,6 +84,7 @@ class Collectives(abc.ABC):
     """
 
     name = ""
+    sends = True  # whether its collectives put bytes on a wire (the ledger books them)
 
     def __init__(self, group: Optional[dist.ProcessGroup], rank: int, global_ranks: List[int]) -> None:
         self.group, self.rank, self.global_ranks = group, rank, list(global_ranks)
