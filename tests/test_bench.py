@@ -40,13 +40,17 @@ def _tiny_model():
 
 
 def _counts():
-    """Ψ (distinct trainable elements: tied wte/lm_head once), the root unit's elements (everything outside the
-    transformer blocks), and the number of parameter tensors (a bound on the flat groups, hence on padding)."""
+    """Ψ (distinct trainable elements: tied wte/lm_head once), the elements stage 3 keeps gathered from forward to
+    backward under the default reshard_after_forward ("auto", torchtitan's): the root unit (everything outside the
+    transformer blocks) and the last block, transformer.h.{L-1}; and the number of parameter tensors (a bound on
+    the flat groups, hence on padding)."""
     model = _tiny_model()
     params = {id(p): (name, p) for name, p in model.named_parameters() if p.requires_grad}
     psi = sum(p.numel() for _, p in params.values())
-    root = sum(p.numel() for name, p in params.values() if not name.startswith("transformer.h."))
-    return psi, root, len(params)
+    last = f"transformer.h.{model.config.n_layer - 1}."
+    resident = sum(p.numel() for name, p in params.values()
+                   if not name.startswith("transformer.h.") or name.startswith(last))
+    return psi, resident, len(params)
 
 
 def _run_bench(args, hide=(), hide_dir=None, timeout=600, world=WORLD, steps=2, warmup=1):
@@ -155,7 +159,7 @@ def test_state_bytes_match_the_formula(bench):
 
 def test_hf_zero_comm_matches_the_formula(bench):
     data, _, _ = bench
-    psi, root, n_tensors = _counts()
+    psi, resident, n_tensors = _counts()
     m = GRAD_ACCUM
     pad = n_tensors * (WORLD - 1)  # each flat group pads fewer than WORLD elements; there are at most n_tensors
     rows = {r["system"]: r for r in data["rows"]}
@@ -179,14 +183,15 @@ def test_hf_zero_comm_matches_the_formula(bench):
             within(kinds["all_gather"], psi, psi + pad, f"stage {stage} all-gather")
         else:
             within(kinds["reduce_scatter"], m * psi, m * (psi + pad), "stage 3 reduce-scatter")
-            # The paper's 2mΨ gathers every unit twice per micro-batch; hf_zero keeps the root unit (embeddings,
-            # final norm) gathered from its forward through the backward, so the root is gathered once.
-            within(kinds["all_gather"], m * (2 * psi - root), m * (2 * psi + 2 * pad), "stage 3 all-gather")
+            # The paper's 2mΨ gathers every unit twice per micro-batch; hf_zero keeps its root unit (embeddings,
+            # final norm, tied LM head) and, by default, the last block gathered from the forward into the backward
+            # (reshard_after_forward "auto", as torchtitan does), so those are gathered once.
+            within(kinds["all_gather"], m * (2 * psi - resident), m * (2 * psi + 2 * pad), "stage 3 all-gather")
         assert row["comm_elements_measured"] == pytest.approx(sum(kinds.values()))
         assert row["comm_elements_formula"] == pytest.approx(sum(formula.values()))
         total_formula = sum(formula.values())
-        if stage == 3:  # the formula counts the resident root as hf_zero runs it
-            assert formula["all_gather"] == m * (2 * psi - root), formula
+        if stage == 3:  # the formula counts the resident root and last block as hf_zero runs them
+            assert formula["all_gather"] == m * (2 * psi - resident), formula
         # one host: everything intra, measured and by the formula
         assert row["num_hosts"] == 1 and row["comm_elements_measured_inter"] == 0, row
         assert row["comm_elements_measured_intra"] == row["comm_elements_measured"], row
@@ -299,22 +304,22 @@ def _assert_one_host(row):
 
 
 def test_hpz_row_matches_its_formulas(hierarchical):
-    """hpZ: forward all-gather over N (Ψ), backward all-gather over K from the secondary shard (Ψ - root: the root
-    stays gathered), reduce-scatter over N (Ψ); model states plain stage 3 over N, the secondary shard 4(Ψ - root)/K
-    (fp32) beside them."""
+    """hpZ: forward all-gather over N (Ψ), backward all-gather over K from the secondary shard (Ψ - resident: the
+    root and, by default, the last block stay gathered and keep no secondary slice), reduce-scatter over N (Ψ);
+    model states plain stage 3 over N, the secondary shard 4(Ψ - resident)/K (fp32) beside them."""
     rows, proc = hierarchical
     row = rows["zero3-hpz"]
     assert row["status"] == "ok", row.get("error", row["status"])
     assert row["engine_topology"] == {"option": "hpz", "group_size": H_K, "num_hosts": 1}, row
-    psi, root, n_tensors = _counts()
+    psi, resident, n_tensors = _counts()
     pad = n_tensors * (H_WORLD - 1)  # per pass: each flat group pads fewer than N elements (the slices split that)
-    formula = psi + (psi - root) + psi
+    formula = psi + (psi - resident) + psi
     assert row["comm_elements_formula"] == formula, row
-    assert row["comm_elements_formula_by_kind"] == {"all_gather": 2 * psi - root, "reduce_scatter": psi}, row
+    assert row["comm_elements_formula_by_kind"] == {"all_gather": 2 * psi - resident, "reduce_scatter": psi}, row
     _within(row["comm_elements_measured"], formula, formula + 3 * pad, "hpZ elements per step")
     _assert_one_host(row)
     _within(row["state_bytes_measured"] - 16 * psi / H_WORLD, 0, 16 * pad + 8 * n_tensors, "hpZ model states")
-    secondary = 4 * (psi - root) / H_K
+    secondary = 4 * (psi - resident) / H_K
     assert row["hpz_secondary_formula_bytes"] == secondary, row
     _within(row["hpz_secondary_peak_bytes"], secondary, secondary + 4 * pad / H_K, "hpZ secondary shard bytes")
     assert "zero3-hpz" in proc.stdout
