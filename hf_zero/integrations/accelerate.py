@@ -6,9 +6,11 @@ and returns the ZeRO optimizer; `backward`, `no_sync`/`accumulate`, `clip_grad_n
 `save_model` and `free_memory` go through the engine. Mixed precision is the engine's (bf16/fp16 compute copies
 with fp32 master weights), so Accelerate itself runs with mixed_precision="no" (no autocast, no GradScaler).
 
-A checkpoint folder runs no code: `no_code_from_files` is the one place that decides how the pickled files
-Accelerate and the Trainer read (RNG, scheduler, sampler, data-loader and custom states) are unpickled, for
-`load_state` here and ZeroTrainer's resume.
+A checkpoint folder runs no code: `load_without_code` reads one pickled file with torch.load(weights_only=True)
+(numpy's RNG data types allowed), and `load_state` here reads the custom and RNG states through it and passes
+`weights_only` to Accelerate's own reads (RNG, scheduler, sampler, data-loader states), replacing no function of
+torch's or Accelerate's. ZeroTrainer's resume still goes through `no_code_from_files`, which swaps `torch.load`
+for its thread while the Trainer reads.
 """
 from __future__ import annotations
 
@@ -71,20 +73,43 @@ def _refusal(exc: BaseException) -> str:
                     .split())
 
 
+def _untrusted(f: Any, exc: BaseException, opt_in: str) -> UntrustedPickleError:
+    """The refusal of file `f` (a path or an open file), naming it and `opt_in`."""
+    name = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", repr(f))
+    return UntrustedPickleError(
+        f"{name}: refused to unpickle ({_refusal(exc)}). hf_zero reads checkpoint files with "
+        f"torch.load(weights_only=True) so that a folder cannot run code; this file needs full unpickling, "
+        f"which runs whatever code it holds. If you trust whoever wrote the folder, pass {opt_in}; or allow "
+        f"just the classes it needs with torch.serialization.add_safe_globals([...])")
+
+
+def load_without_code(f: Any, opt_in: str, trust: bool = False, map_location: Any = None) -> Any:
+    """One checkpoint file read with no code run from it: `torch.load(weights_only=True)` with numpy's RNG-state
+    data types allowed besides torch's own and whatever the user allowed with
+    `torch.serialization.add_safe_globals`; a refusal raises `UntrustedPickleError` naming the file and `opt_in`.
+    `trust=True` unpickles in full (`weights_only=False`). Nothing outside this call changes."""
+    if trust:
+        return torch.load(f, map_location=map_location, weights_only=False)
+    try:
+        with torch.serialization.safe_globals(_numpy_data_types()):
+            return torch.load(f, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise _untrusted(f, exc, opt_in) from None
+
+
 @contextlib.contextmanager
 def no_code_from_files(opt_in: str, trust: bool = False) -> Iterator[List[UntrustedPickleError]]:
     """Inside: every `torch.load` of this thread builds tensors and plain data only, whatever its caller asked.
 
-    Accelerate's `load_state` reads `custom_checkpoint_{i}.pkl` with `weights_only=False` (a planted file runs its
-    payload) and everything else with `weights_only=True` unless `load_kwargs` says otherwise; the Trainer reads
-    `rng_state*.pth`, `scheduler.pt` and `scaler.pt` with `weights_only=True`. Both call `torch.load` at the time
-    of the read, so this one patch covers every file they read, and files of future versions too: `weights_only`
+    Used by ZeroTrainer's resume (`HfZeroAccelerator.load_state` reads per call instead): the Trainer reads
+    `rng_state*.pth`, `scheduler.pt` and `scaler.pt` with `weights_only=True` and calls `torch.load` at the time
+    of the read, so this one patch covers every file it reads, and files of future versions too: `weights_only`
     becomes True (plus numpy's RNG-state data types and whatever the user allowed with
     `torch.serialization.add_safe_globals`), and a refusal raises `UntrustedPickleError` naming the file and
     `opt_in`. `trust=True` unpickles in full (`weights_only=False`), as stock Accelerate does for custom states.
 
-    Yields the refusals raised inside, in order: Accelerate catches every error of its RNG-state read and goes on,
-    so the caller raises the first one after the fact. Other threads' `torch.load` calls are left alone."""
+    Yields the refusals raised inside, in order (a reader that catches the error and goes on hides it: the caller
+    may raise the first one after the fact). Other threads' `torch.load` calls are left alone."""
     original = torch.load
     owner = threading.get_ident()
     refused: List[UntrustedPickleError] = []
@@ -99,12 +124,7 @@ def no_code_from_files(opt_in: str, trust: bool = False) -> Iterator[List[Untrus
             with torch.serialization.safe_globals(_numpy_data_types()):
                 return original(f, map_location, weights_only=True, **kwargs)
         except pickle.UnpicklingError as exc:
-            name = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", repr(f))
-            error = UntrustedPickleError(
-                f"{name}: refused to unpickle ({_refusal(exc)}). hf_zero reads checkpoint files with "
-                f"torch.load(weights_only=True) so that a folder cannot run code; this file needs full unpickling, "
-                f"which runs whatever code it holds. If you trust whoever wrote the folder, pass {opt_in}; or allow "
-                f"just the classes it needs with torch.serialization.add_safe_globals([...])")
+            error = _untrusted(f, exc, opt_in)
             refused.append(error)
             raise error from None
 
@@ -504,12 +524,101 @@ class HfZeroAccelerator(Accelerator):
 
     def _load_accelerate_state(self, input_dir: Optional[str], load_kwargs: Optional[dict], trust: bool,
                                **load_model_func_kwargs: Any) -> None:
-        """Accelerate's load_state with no code run from the files (`no_code_from_files`); a refusal Accelerate
-        swallowed (it goes on without the RNG state when reading it fails) is raised."""
-        with no_code_from_files("load_state(..., trust_pickles=True)", trust) as refused:
-            super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
-        if refused:
-            raise refused[0]
+        """Accelerate's load_state for the distributed types hf_zero runs (models, optimizers, schedulers, data
+        loaders, scaler and RNG through Accelerate's `load_accelerator_state`; then the registered custom objects),
+        with no code run from the files and no other library's function replaced:
+
+        - the optimizer, scheduler and data-loader states get `weights_only` through `load_kwargs` (True unless
+          trusted); Accelerate reads the sampler, scaler, `.bin` weights and RNG files with weights_only=True;
+        - the custom states, which Accelerate's `load_custom_state` always unpickles in full, are read here
+          (`load_without_code`), before anything changes, and applied last as Accelerate does;
+        - this rank's RNG file is read here first too: Accelerate goes on without the RNG state when reading it
+          fails, so its refusal would pass unnoticed.
+        A weights-only refusal inside Accelerate's part raises UntrustedPickleError naming the file."""
+        from accelerate.checkpointing import load_accelerator_state
+        from accelerate.utils import RNG_STATE_NAME
+
+        opt_in = "load_state(..., trust_pickles=True)"
+        if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
+            raise RuntimeError(f"distributed_type {self.distributed_type}: hf_zero's load_state does not load it")
+        folder = self._state_folder(input_dir)
+        logger.info("hf_zero: loading states from %s", folder)
+        found = [f for f in os.listdir(folder) if re.search(r"^custom_checkpoint_\d+\.pkl$", f) is not None]
+        if len(found) != len(self._custom_objects):
+            raise RuntimeError(
+                f"Number of custom checkpoints in folder {folder} does not match the number of registered objects: "
+                f"found {len(found)} checkpoints, {len(self._custom_objects)} registered objects. Load only folders "
+                f"saved with the same registered objects, or keep `custom_checkpoint` out of other files' names")
+        custom = [load_without_code(os.path.join(folder, f"custom_checkpoint_{i}.pkl"), opt_in, trust, "cpu")
+                  for i in range(len(self._custom_objects))]
+        rng = os.path.join(folder, f"{RNG_STATE_NAME}_{self.process_index}.pkl")
+        if not trust and os.path.isfile(rng):
+            load_without_code(rng, opt_in)
+        models, optimizers = list(self._models), list(self._optimizers)
+        for hook in self._load_model_state_pre_hook.values():
+            hook(models, folder)
+        map_location = load_model_func_kwargs.pop("map_location", None)
+        if map_location is None:
+            map_location = ("on_device" if self.num_processes > 1 and self.multi_device
+                            and self.distributed_type != DistributedType.MULTI_XPU else "cpu")
+        try:
+            overrides = load_accelerator_state(
+                folder, models, optimizers, list(self._schedulers), list(self._dataloaders), self.process_index,
+                self.scaler, map_location, {**(load_kwargs or {}), "weights_only": not trust},
+                **load_model_func_kwargs)
+        except pickle.UnpicklingError as exc:
+            if trust:
+                raise
+            raise self._refused_file(folder, models, optimizers, exc, opt_in) from None
+        if "step" in overrides:
+            self.step = overrides["step"]
+        for obj, state in zip(self._custom_objects, custom):
+            obj.load_state_dict(state)
+
+    def _state_folder(self, input_dir: Optional[str]) -> str:
+        """The folder Accelerate's load_state reads: `input_dir`, else the newest automatically named one."""
+        if input_dir is not None:
+            folder = os.path.expanduser(str(input_dir))
+            if not os.path.isdir(folder):
+                raise ValueError(f"Tried to find {input_dir} but folder does not exist")
+            return folder
+        if not self.project_configuration.automatic_checkpoint_naming:
+            raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+        base = os.path.join(self.project_dir, "checkpoints")
+        folders = [os.path.join(base, f) for f in os.listdir(base)]
+        folders.sort(key=lambda f: int(re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", f)[0]))
+        return folders[-1]
+
+    def _refused_file(self, folder: str, models: List[nn.Module], optimizers: List[Any], exc: BaseException,
+                      opt_in: str) -> UntrustedPickleError:
+        """Which file Accelerate's weights-only read refused (torch's error does not say): the first of the files
+        `load_accelerator_state` reads, in its order, that `load_without_code` refuses too."""
+        from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
+        from accelerate.utils import MODEL_NAME, OPTIMIZER_NAME, SAFE_MODEL_NAME, SAMPLER_NAME, SCALER_NAME, \
+            SCHEDULER_NAME
+
+        def nth(stem: str, i: int, ext: str = ".bin") -> str:  # Accelerate's names: model.bin, model_1.bin, ...
+            return f"{stem}{ext}" if i == 0 else f"{stem}_{i}{ext}"
+
+        names = [nth(MODEL_NAME, i) for i in range(len(models))
+                 if not os.path.exists(os.path.join(folder, nth(SAFE_MODEL_NAME, i, ".safetensors")))]
+        names += [nth(OPTIMIZER_NAME, i) for i in range(len(optimizers))]
+        names += [nth(SCHEDULER_NAME, i) for i in range(len(self._schedulers))]
+        for i, loader in enumerate(self._dataloaders):
+            if isinstance(loader.dataset, IterableDatasetShard) and \
+                    isinstance(getattr(loader, "get_sampler", lambda: None)(), SeedableRandomSampler):
+                names.append(nth(SAMPLER_NAME, i))
+            if getattr(loader, "use_stateful_dataloader", False):
+                names.append(nth("dl_state_dict", i))
+        names += [SCALER_NAME] if self.scaler is not None else []
+        for name in names:
+            path = os.path.join(folder, name)
+            if os.path.isfile(path):
+                try:
+                    load_without_code(path, opt_in)
+                except UntrustedPickleError as refused:
+                    return refused
+        return _untrusted(folder, exc, opt_in)
 
     def free_memory(self, *objects: Any) -> Any:
         for engine in self.zero_engines:
