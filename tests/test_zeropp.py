@@ -111,19 +111,22 @@ def test_quantized_training_stays_within_the_bound_of_plain_training(dist_result
 
 def _expected_bytes(world_size, kw):
     """{strategy: {kind: wire bytes per step}} from the flat groups tests/_flat_layout.py counts (not hf_zero's
-    planner): qwZ gathers every stage-3 unit's groups in each micro-batch's forward and the non-root ones again in
-    its backward (hpZ: the backward's gathers inside the host, exact); qgZ reduce-scatters every trainable group once
-    per micro-batch."""
-    from _flat_layout import layout
+    planner): qwZ gathers every stage-3 unit's groups in each micro-batch's forward and, again in its backward, those
+    of every unit but the resident ones: the root and, under the default reshard_after_forward ("auto", as
+    torchtitan does), the last block (hpZ: the backward's gathers inside the host, exact); qgZ reduce-scatters every
+    trainable group once per micro-batch."""
+    from _flat_layout import layout, unit_prefixes
 
     opts = kw["zero_options"]
     world_size = opts.get("shard_group_size") or world_size  # HSDP: the partition group of K quantizes
-    groups = layout(models.make_model(kw["kind"], kw.get("variant", "full")), world_size)
+    model = models.make_model(kw["kind"], kw.get("variant", "full"))
+    groups = layout(model, world_size)
+    resident = {0, len(unit_prefixes(model))}  # the root (0) and the last block (the highest unit)
     block, out = 256, {}
     hpz = opts.get("hpz_partition_size")
 
-    def gathered(bits, keep):  # the root unit (0) stays gathered into its backward
-        return sum((1 if (g.unit == 0 or hpz) else 2) * world_size * quantized_nbytes(g.shard, block, bits)
+    def gathered(bits, keep):  # resident units stay gathered into their backward
+        return sum((1 if (g.unit in resident or hpz) else 2) * world_size * quantized_nbytes(g.shard, block, bits)
                    for g in groups if keep(g))
 
     if opts.get("quantized_frozen_weights"):  # frozen groups all-gather their int8 codes; nothing else quantized
@@ -215,9 +218,8 @@ def two_hop_reduce(rank, world_size):
     from the hostnames: this runs on one machine, so the groups are given), quantized to int4."""
     import torch.distributed as dist
 
-    from hf_zero.engine.collectives import Quantized
-    from hf_zero.engine.collectives.hierarchical import HostsReduce
-    from hf_zero.engine.comm import Comm, Ledger
+    from hf_zero.engine.comm import Comm, Ledger, Quantization
+    from hf_zero.engine.routes import HostsReduce
 
     ledger = Ledger()
 
@@ -227,7 +229,7 @@ def two_hop_reduce(rank, world_size):
             pg = dist.new_group(ranks)
             if rank in ranks:
                 mine = pg
-        c = Comm(mine, ledger=ledger, wrap=lambda inner: Quantized(inner, BLOCK, 4, weights=False))
+        c = Comm(mine, ledger=ledger, quantization=Quantization(gradients_bits=4, block_size=BLOCK))
         c.spans_hosts = spans
         return c
 
