@@ -134,17 +134,18 @@ def test_small_cluster_memory_matches_paper_formula(cluster_run):
 
 @pytest.mark.slow
 def test_small_cluster_communication_is_2psi_and_3psi(cluster_run):
-    """Paper counting: 2Ψ per rank per step at stages 0-2; 3Ψ at stage 3, less the root unit hf_zero keeps gathered
-    from forward to backward (gathered once, not twice)."""
+    """Paper counting: 2Ψ per rank per step at stages 0-2; 3Ψ at stage 3, less what hf_zero keeps gathered from
+    forward to backward (gathered once, not twice): its root unit and, by default (reshard_after_forward="auto", as
+    torchtitan does), the last block. The notebook counts them from the parameter names."""
     s = cluster_run["summary"]
-    psi, root = s["psi"], s["root_params"]
+    psi, resident = s["psi"], s["resident_params"]
     for key, reps in s["runs"].items():
         stage, n = map(int, key.split(","))
         if n == 1:
             continue
         for rep in reps:
             per_step = {k: v["elements"] / rep["steps"] for k, v in rep["comm"].items()}
-            want = comm_elements_per_step(psi, stage, resident=root if stage == 3 else 0)
+            want = comm_elements_per_step(psi, stage, resident=resident if stage == 3 else 0)
             for kind, elements in want.items():
                 assert abs(per_step[kind] - elements) <= REL * elements, (key, kind, per_step[kind], elements)
             total = per_step["total"] / psi
@@ -193,9 +194,10 @@ def test_plan_notebook_fits_include_activations(plan_run):
 
 def test_plan_notebook_hosts_match_paper_formulas(plan_run):
     """N ranks in hosts of K: HSDP is the stage's formula with N replaced by K and sends only the 2Ψ/K all-reduce of
-    the gradient shard across hosts; hpZ sends 2Ψ across hosts, keeps the backward all-gather (Ψ less the root unit,
-    which stays gathered) inside the host, and holds 2 bytes x (Ψ - root) / K of bf16 secondary shard on top of
-    stage 3; plain stage 3 sends 3Ψ - root across hosts and nothing inside."""
+    the gradient shard across hosts; hpZ sends 2Ψ across hosts, keeps the backward all-gather (Ψ less the resident
+    units, the root and by default the last block, which stay gathered) inside the host, and holds
+    2 bytes x (Ψ - resident) / K of bf16 secondary shard on top of stage 3; plain stage 3 sends 3Ψ - resident across
+    hosts and nothing inside."""
     s = plan_run["summary"]
     r = recipe(s["mixed_precision"], "fp32")
 
@@ -204,17 +206,18 @@ def test_plan_notebook_hosts_match_paper_formulas(plan_run):
 
     for name, plan in s["plans"].items():
         hosts, psi = plan["hosts"], plan["psi"]
-        n, k, root, rows = hosts["world_size"], hosts["ranks_per_host"], hosts["root_params"], hosts["rows"]
+        n, k, resident, rows = hosts["world_size"], hosts["ranks_per_host"], hosts["resident_params"], hosts["rows"]
         assert 1 < k < n and set(rows["3"]) == {"none", "hsdp", "hpz"}, name
         for stage in (1, 2, 3):
             hsdp = rows[str(stage)]["hsdp"]
-            inside = sum(comm_elements_per_step(psi, stage, resident=root if stage == 3 else 0).values())
+            inside = sum(comm_elements_per_step(psi, stage, resident=resident if stage == 3 else 0).values())
             close(hsdp["model_states"], model_state_bytes(psi, k, stage, r), f"{name} stage {stage} HSDP", 0.01)
             close(hsdp["intra_elements"], inside, f"{name} stage {stage} HSDP intra")
             close(hsdp["inter_elements"], 2 * psi / k, f"{name} stage {stage} HSDP inter")
         plain, hpz = rows["3"]["none"], rows["3"]["hpz"]
         assert plain["intra_elements"] == 0, name
-        close(plain["inter_elements"], 3 * psi - root, f"{name} stage 3 inter")
+        close(plain["inter_elements"], 3 * psi - resident, f"{name} stage 3 inter")
         close(hpz["inter_elements"], 2 * psi, f"{name} hpZ inter")
-        close(hpz["intra_elements"], psi - root, f"{name} hpZ intra")
-        close(hpz["model_states"], model_state_bytes(psi, n, 3, r) + r.param * (psi - root) / k, f"{name} hpZ", 0.01)
+        close(hpz["intra_elements"], psi - resident, f"{name} hpZ intra")
+        secondary = r.param * (psi - resident) / k
+        close(hpz["model_states"], model_state_bytes(psi, n, 3, r) + secondary, f"{name} hpZ", 0.01)
