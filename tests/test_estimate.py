@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 import models
 from _dist import DistResults
-from _flat_layout import layout, state_bytes, worst_rank_bytes
+from _flat_layout import layout, state_bytes, unit_prefixes, worst_rank_bytes
 from hf_zero.config import ZeroConfig
 from hf_zero.tools.estimate.activations import (ActivationShape, activation_bytes, activation_saved_tensors,
                                          activation_shape, layer_activation_bytes, paper_layer_bytes)
@@ -342,9 +342,10 @@ def _padded(groups, keep=lambda g: True):
 @pytest.mark.parametrize("variant", ["full", "lora"])
 def test_hosts_plan_mode_is_the_planners_layout(variant):
     """Plan mode: HSDP's memory is the stage's over the K ranks of a host (its K-way padding), worst rank; hpZ's is
-    stage 3 over N plus 1/K of every non-root unit's padded groups in the compute dtype; the traffic counts the
-    padded flat buffers, frozen ones (LoRA's base weights) gathered at stage 3 and never reduced. Sizes and bytes
-    from tests/_flat_layout.py."""
+    stage 3 over N plus 1/K of the padded groups, in the compute dtype, of every unit that reshards (all but the
+    resident ones: the root and, by default (reshard_after_forward="auto", as torchtitan does), the last block);
+    the traffic counts the padded flat buffers, frozen ones (LoRA's base weights) gathered at stage 3 and never
+    reduced, the resident ones gathered once. Sizes and bytes from tests/_flat_layout.py."""
     from hf_zero.tools.estimate.plan import Planner, hierarchical_plan_report
 
     model = models.make_model("llama", variant)  # 44,450 elements: a K = 3 partition pads
@@ -356,7 +357,8 @@ def test_hosts_plan_mode_is_the_planners_layout(variant):
         groups = layout(model, 1 if stage == 0 else p, torch.bfloat16)
         worst = worst_rank_bytes(model, p, stage, mixed_precision="bf16")["model_states"]
         t, f = _padded(groups, lambda g: g.trainable), _padded(groups, lambda g: not g.trainable)
-        root = _padded(groups, lambda g: g.unit == 0)
+        resident_units = {0, len(unit_prefixes(model))}  # the root and the last block
+        root = _padded(groups, lambda g: g.unit in resident_units)  # the resident elements
         if option == "hsdp":
             assert sum(g.padded - g.numel for g in groups) > 0 or variant == "lora"
             # the engine's own HSDP layout (N ranks, partitioned K ways) holds the same bytes
@@ -370,7 +372,7 @@ def test_hosts_plan_mode_is_the_planners_layout(variant):
             gathered = t if stage < 3 else 2 * (t + f) - root
             assert row["comm_elements"]["intra"] == {"reduce_scatter": t, "all_gather": gathered}
         elif option == "hpz":
-            secondary = sum(g.padded // k * 2 for g in groups if g.unit != 0)
+            secondary = sum(g.padded // k * 2 for g in groups if g.unit not in resident_units)
             assert row["secondary_bytes"] == secondary > 0
             assert row["model_states"] == worst + secondary
             assert row["comm_elements"] == {"intra": {"all_gather": t + f - root},
@@ -839,7 +841,8 @@ def test_zeropp_cli_table_and_json(capsys):
 
 def test_zeropp_plan_mode_sums_the_groups(tmp_path, capsys):
     """--model: one collective per padded flat group (the engine's), gathers in bf16, reductions in fp32 (the
-    default reduce dtype under bf16), the root unit's groups resident."""
+    default reduce dtype under bf16), the root unit's and, by default (reshard_after_forward="auto"), the last
+    block's groups resident."""
     from hf_zero.engine.quantize import quantized_nbytes
 
     models._config("gpt2").save_pretrained(tmp_path)
@@ -849,7 +852,7 @@ def test_zeropp_plan_mode_sums_the_groups(tmp_path, capsys):
     model = models.make_model("gpt2")
     groups = layout(model, 4, torch.bfloat16)
     sizes = [g.padded for g in groups]
-    back = [g.padded for g in groups if g.unit != 0]
+    back = [g.padded for g in groups if g.unit not in (0, len(unit_prefixes(model)))]  # gathered for the backward
     assert out["psi"] == sum(p.numel() for p in model.parameters()) and all(g.trainable for g in groups)
     assert rows["stage 3"]["inter_bytes"] == 2 * sum(sizes) + 2 * sum(back) + 4 * sum(sizes)
     assert rows["stage 3 hpZ"]["intra_bytes"] == 2 * sum(back)
