@@ -343,9 +343,10 @@ def hierarchical_formula_report(psi: float, n: int, k: int, r: Recipe, micro_bat
 
 def secondary_bytes(plan: ShardPlan, k: int) -> int:
     """hpZ's secondary parameter shard on each rank: 1/K of every stage-3 unit's padded flat groups, in their compute
-    dtype, except the root unit's (it stays gathered from forward to backward and is not gathered again)."""
-    root = set(plan.units[0].groups)
-    return sum(g.padded_numel // k * _elem(g.dtype) for g in plan.groups if g.index not in root)
+    dtype, except those of the units that do not reshard after forward (the root, and by default the last block:
+    they stay gathered from forward to backward and keep no slices)."""
+    resident = set(plan.resident_groups())
+    return sum(g.padded_numel // k * _elem(g.dtype) for g in plan.groups if g.index not in resident)
 
 
 def _plan_row(planner: "Planner", stage: int, n: int, k: int, option: str, micro_batches: int,
