@@ -20,6 +20,8 @@ import shutil
 import subprocess
 import sys
 
+import torch
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 OPT_IN = "trust_pickles=True"
@@ -42,6 +44,18 @@ def plant(path: str, marker: str) -> None:
     if os.path.exists(path):
         os.remove(path)
     torch.save({"state": Payload(marker)}, path)
+
+
+class TorchReader:
+    """Reads a file through this module's name `torch`, as the Trainer's readers read through transformers.trainer's;
+    `seen` records whether that name's `load` was torch's own at the time."""
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    def read(self, path, **kwargs):
+        self.seen.append(torch.load is torch.serialization.load)
+        return torch.load(path, **kwargs)
 
 
 # ================================================================================================== the workers
@@ -266,31 +280,35 @@ def assert_refused(results, name, file_name, world):
             assert got["type"] == "CheckpointError" and f"of {world} ranks" in msg, msg
 
 
-def test_no_code_from_files_guards_every_torch_load(tmp_path):
-    """In process: the guard refuses a payload whatever the caller asked for (Accelerate's load_custom_state calls
-    its `load` with weights_only=False), in torch's zip format and as a bare pickle; RNG states load; trust=True
-    unpickles."""
+def test_the_trainers_readers_load_without_code_and_change_nothing(tmp_path):
+    """In process: ZeroTrainer runs the Trainer's own readers with a `torch` whose `load` is hf_zero's: a payload is
+    refused whatever the caller asked for (weights_only=False), in torch's zip format and as a bare pickle; RNG
+    states load; trust=True unpickles; torch.load and transformers.trainer's globals are the same objects
+    throughout."""
     import pickle
     import random
 
     import numpy as np
     import torch
-    from accelerate.utils import load as accelerate_load
-    from hf_zero.integrations.accelerate import UntrustedPickleError, no_code_from_files
+    import transformers.trainer as hf_trainer
+    from hf_zero.integrations.accelerate import UntrustedPickleError
+    from hf_zero.integrations.trainer import _TorchWithoutCode, _with_globals
 
-    original = torch.load
+    original, trainer_globals = torch.load, dict(vars(hf_trainer))
     marker = tmp_path / "marker"
     plant(str(tmp_path / "custom_checkpoint_0.pkl"), str(marker))
     with open(tmp_path / "bare.pkl", "wb") as f:
         pickle.dump(Payload(str(marker)), f, protocol=2)
-    with no_code_from_files("OPT-IN") as refused:
-        with pytest.raises(UntrustedPickleError) as custom:
-            accelerate_load(str(tmp_path / "custom_checkpoint_0.pkl"), map_location="cpu", weights_only=False)
-        with pytest.raises(UntrustedPickleError) as bare:
-            torch.load(tmp_path / "bare.pkl", weights_only=False)
+
+    reader = TorchReader()
+    guarded = _with_globals(reader.read, torch=_TorchWithoutCode("OPT-IN", False))
+    with pytest.raises(UntrustedPickleError) as custom:
+        guarded(str(tmp_path / "custom_checkpoint_0.pkl"), map_location="cpu", weights_only=False)
+    with pytest.raises(UntrustedPickleError) as bare:
+        guarded(tmp_path / "bare.pkl", weights_only=False)
     assert not marker.exists(), "the payload ran"
-    assert torch.load is original
-    assert refused == [custom.value, bare.value]
+    assert reader.seen == [False, False] and torch.load is original  # the copy's torch, not torch
+    assert {k: v for k, v in vars(hf_trainer).items()} == trainer_globals
     for exc, name in ((custom, "custom_checkpoint_0.pkl"), (bare, "bare.pkl")):
         msg = str(exc.value)
         assert name in msg and "OPT-IN" in msg, msg
@@ -300,14 +318,13 @@ def test_no_code_from_files_guards_every_torch_load(tmp_path):
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
     torch.save(rng, tmp_path / "rng.pth")
     torch.save({"value": fractions.Fraction(1, 3)}, tmp_path / "fancy.pth")
-    with no_code_from_files("OPT-IN"):
-        back = torch.load(tmp_path / "rng.pth")
-        with pytest.raises(UntrustedPickleError, match="fancy.pth"):
-            torch.load(tmp_path / "fancy.pth")
+    back = guarded(tmp_path / "rng.pth")
+    with pytest.raises(UntrustedPickleError, match="fancy.pth"):
+        guarded(tmp_path / "fancy.pth")
     assert back["python"] == rng["python"] and torch.equal(back["cpu"], rng["cpu"])
     assert all(np.array_equal(a, b) for a, b in zip(back["numpy"], rng["numpy"]))
-    with no_code_from_files("OPT-IN", trust=True):
-        assert torch.load(tmp_path / "fancy.pth") == {"value": fractions.Fraction(1, 3)}
+    trusted = _with_globals(TorchReader().read, torch=_TorchWithoutCode("OPT-IN", True))
+    assert trusted(tmp_path / "fancy.pth") == {"value": fractions.Fraction(1, 3)}
     assert torch.load is original
 
 

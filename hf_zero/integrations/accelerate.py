@@ -9,8 +9,8 @@ with fp32 master weights), so Accelerate itself runs with mixed_precision="no" (
 A checkpoint folder runs no code: `load_without_code` reads one pickled file with torch.load(weights_only=True)
 (numpy's RNG data types allowed), and `load_state` here reads the custom and RNG states through it and passes
 `weights_only` to Accelerate's own reads (RNG, scheduler, sampler, data-loader states), replacing no function of
-torch's or Accelerate's. ZeroTrainer's resume still goes through `no_code_from_files`, which swaps `torch.load`
-for its thread while the Trainer reads.
+torch's or Accelerate's. ZeroTrainer's resume runs the Trainer's readers with `load_without_code` as their
+`torch.load` (integrations/trainer.py).
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import logging
 import os
 import pickle
 import re
-import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
@@ -95,44 +94,6 @@ def load_without_code(f: Any, opt_in: str, trust: bool = False, map_location: An
             return torch.load(f, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise _untrusted(f, exc, opt_in) from None
-
-
-@contextlib.contextmanager
-def no_code_from_files(opt_in: str, trust: bool = False) -> Iterator[List[UntrustedPickleError]]:
-    """Inside: every `torch.load` of this thread builds tensors and plain data only, whatever its caller asked.
-
-    Used by ZeroTrainer's resume (`HfZeroAccelerator.load_state` reads per call instead): the Trainer reads
-    `rng_state*.pth`, `scheduler.pt` and `scaler.pt` with `weights_only=True` and calls `torch.load` at the time
-    of the read, so this one patch covers every file it reads, and files of future versions too: `weights_only`
-    becomes True (plus numpy's RNG-state data types and whatever the user allowed with
-    `torch.serialization.add_safe_globals`), and a refusal raises `UntrustedPickleError` naming the file and
-    `opt_in`. `trust=True` unpickles in full (`weights_only=False`), as stock Accelerate does for custom states.
-
-    Yields the refusals raised inside, in order (a reader that catches the error and goes on hides it: the caller
-    may raise the first one after the fact). Other threads' `torch.load` calls are left alone."""
-    original = torch.load
-    owner = threading.get_ident()
-    refused: List[UntrustedPickleError] = []
-
-    def load(f: Any, map_location: Any = None, pickle_module: Any = None, **kwargs: Any) -> Any:
-        if threading.get_ident() != owner:
-            return original(f, map_location, pickle_module, **kwargs)
-        kwargs.pop("weights_only", None)
-        if trust:
-            return original(f, map_location, pickle_module, weights_only=False, **kwargs)
-        try:
-            with torch.serialization.safe_globals(_numpy_data_types()):
-                return original(f, map_location, weights_only=True, **kwargs)
-        except pickle.UnpicklingError as exc:
-            error = _untrusted(f, exc, opt_in)
-            refused.append(error)
-            raise error from None
-
-    torch.load = load
-    try:
-        yield refused
-    finally:
-        torch.load = original
 
 
 def _import_before_the_group(module: str) -> None:

@@ -5,7 +5,7 @@
     ZeroSFTTrainer = hf_zero.zero_trainer(trl.SFTTrainer)
 
 The Trainer builds its Accelerator through the module-level name `transformers.trainer.Accelerator`; the
-subclass swaps that name for HfZeroAccelerator while the Trainer creates it. Saving writes consolidated
+subclass runs a copy of that method whose globals give the name HfZeroAccelerator (transformers is not changed). Saving writes consolidated
 weights (gathered from the shards, so never an empty stage-3 file; on the main process) plus each rank's shard
 in a `zero_shards/` folder; resuming restores weights and optimizer state from the shards after sharding (the
 consolidated weights are not needed, so a host that has only its shards can resume).
@@ -13,9 +13,10 @@ consolidated weights are not needed, so a host that has only its shards can resu
 On disks the hosts do not share, the Trainer writes trainer_state.json and scheduler.pt on the main process only
 unless `TrainingArguments(save_on_each_node=True)`; a resume checks first that every host has them.
 
-A checkpoint runs no code on resume: the pickled files it reads (rng_state*.pth, scheduler.pt; scaler.pt and a
-non-hf_zero checkpoint's weights where the stock Trainer reads them) go through `no_code_from_files`
-(torch.load with weights_only=True), and a refusal raises on every rank, naming the file and the opt-in
+A checkpoint runs no code on resume: the pickled files the Trainer reads (rng_state*.pth; scaler.pt and a
+non-hf_zero checkpoint's weights where the stock Trainer reads them) are read by copies of its own methods whose
+`torch.load` is hf_zero's `load_without_code` (`_with_globals`: a function with other globals, so neither torch
+nor transformers.trainer changes), and a refusal raises on every rank, naming the file and the opt-in
 `train(..., trust_pickles=True)`. trainer_state.json is JSON; training_args.bin is never read.
 """
 from __future__ import annotations
@@ -24,19 +25,19 @@ import functools
 import logging
 import os
 import re
+import types
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 import torch
-import transformers.trainer as hf_trainer
 from transformers import Trainer, TrainingArguments
 
 from ..checkpoint import (CheckpointError, is_checkpoint, load_checkpoint, read_manifest, resolve_checkpoint,
                           save_checkpoint, stage_checkpoint)
 from ..checkpoint.hosts import all_gather_objects, describe_ranks, host_name, raise_if_any_failed, \
     require_on_every_host
-from .accelerate import HfZeroAccelerator, no_code_from_files
+from .accelerate import HfZeroAccelerator, load_without_code
 from .plugin import ZeroPlugin
 
 SHARDS_DIR = "zero_shards"
@@ -65,12 +66,10 @@ class ZeroTrainerMixin:
         super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
-        original = hf_trainer.Accelerator
-        hf_trainer.Accelerator = functools.partial(HfZeroAccelerator, zero_plugin=self.zero_plugin)
-        try:
-            super().create_accelerator_and_postprocess()
-        finally:
-            hf_trainer.Accelerator = original
+        """The Trainer's own method, run with `Accelerator` meaning HfZeroAccelerator: a copy of it whose globals
+        say so (the Trainer builds its Accelerator by that module-level name; transformers.trainer is not changed)."""
+        build = functools.partial(HfZeroAccelerator, zero_plugin=self.zero_plugin)
+        _with_globals(super().create_accelerator_and_postprocess, Accelerator=build)()
 
     def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
         """A model from hf_zero.from_pretrained has its parameters on the meta device until prepare() reads its
@@ -133,12 +132,12 @@ class ZeroTrainerMixin:
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _read_files(self, what: str, read: Any, *args: Any) -> Any:
-        """Collective: `read(*args)` with no code run from the files it loads (`no_code_from_files`); an error on
-        any rank raises CheckpointError on every rank (the others would wait in their next collective)."""
+        """Collective: the Trainer's `read(*args)` with no code run from the files it loads (`_TorchWithoutCode`);
+        an error on any rank raises CheckpointError on every rank (the others would wait in their next
+        collective)."""
         error, out = None, None
         try:
-            with no_code_from_files(_TRUST_OPT_IN, getattr(self, "_trust_pickles", False)):
-                out = read(*args)
+            out = _with_globals(read, torch=self._files_without_code())(*args)
         except Exception as exc:
             error = exc
         raise_if_any_failed(error, what, CheckpointError)
@@ -188,8 +187,11 @@ class ZeroTrainerMixin:
         main process's host only) are not read. Other checkpoints load as the Trainer loads them."""
         if is_checkpoint(resolve_checkpoint(Path(resume_from_checkpoint, SHARDS_DIR))):
             return None
-        with no_code_from_files(_TRUST_OPT_IN, getattr(self, "_trust_pickles", False)):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        return _with_globals(super()._load_from_checkpoint, torch=self._files_without_code())(resume_from_checkpoint,
+                                                                                              model)
+
+    def _files_without_code(self) -> "_TorchWithoutCode":
+        return _TorchWithoutCode(_TRUST_OPT_IN, getattr(self, "_trust_pickles", False))
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None:
@@ -249,3 +251,28 @@ def zero_trainer(trainer_class: type) -> type:
         return trainer_class
     return type(f"Zero{trainer_class.__name__}", (ZeroTrainerMixin, trainer_class),
                 {"__module__": __name__, "__doc__": f"{trainer_class.__name__} on hf_zero."})
+
+
+class _TorchWithoutCode:
+    """`torch` as hf_zero's copies of the Trainer's checkpoint readers see it: every attribute is torch's, but
+    `load` reads one file with no code run from it (`load_without_code`), whatever its caller asked for."""
+
+    def __init__(self, opt_in: str, trust: bool) -> None:
+        self._opt_in, self._trust = opt_in, trust
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    def load(self, f: Any, map_location: Any = None, pickle_module: Any = None, **kwargs: Any) -> Any:
+        return load_without_code(f, self._opt_in, self._trust, map_location)
+
+
+def _with_globals(method: Any, **names: Any) -> Any:
+    """`method` (bound) as a copy of its function whose module-level `names` mean something else for this call:
+    how ZeroTrainer runs the Trainer's own code with HfZeroAccelerator or a safe `torch.load`, where the Trainer
+    looks them up by module name, without assigning to any module."""
+    func = method.__func__
+    copy = types.FunctionType(func.__code__, {**func.__globals__, **names}, func.__name__, func.__defaults__,
+                              func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return types.MethodType(copy, method.__self__)
