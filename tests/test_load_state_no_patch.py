@@ -55,15 +55,7 @@ def worker(out: str) -> None:
             seen.append(("custom", torch.load is torch_load))
             self.count = state["count"]
 
-    class Fancy:  # a state weights_only refuses (a Fraction): loads with the opt-in only
-        def __init__(self) -> None:
-            self.value = fractions.Fraction(0)
-
-        def state_dict(self):
-            return {"value": self.value}
-
-        def load_state_dict(self, state):
-            self.value = state["value"]
+    from test_no_pickles import Fancy  # a state weights_only refuses (a Fraction): loads with the opt-in only
 
     accelerator = HfZeroAccelerator(zero_plugin=ZeroPlugin(stage=2))
     rank, world = accelerator.process_index, accelerator.num_processes
