@@ -130,12 +130,7 @@ LAUNCH_TIMEOUT_S = 300
 OPT_IN = "trust_pickles=True"
 
 
-def _env():
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    for key in ("HF_ZERO_CONFIG_FILE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
+from test_no_pickles import _env  # noqa: E402  (the launch environment: CPU ranks, this checkout first)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])

@@ -37,6 +37,17 @@ def _integer_text(text: str) -> Optional[int]:
         return int(f) if f.is_integer() else None
 
 
+def _ranks_or_word(text: str, words: dict, minimum: int, message: str) -> Any:
+    """A number of ranks >= `minimum` from command-line text, or the value of one of `words`; else the error."""
+    word = text.strip().lower()
+    if word in words:
+        return words[word]
+    value = _integer_text(text)
+    if value is None or value < minimum:
+        raise argparse.ArgumentTypeError(f"{message}; got {text!r}")
+    return value
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -225,12 +236,7 @@ class GroupSize(Kind):
         return value
 
     def parse(self, text: str, label: str) -> Any:
-        if text.strip().lower() == "host":
-            return "host"
-        value = _integer_text(text)
-        if value is None or value < 1:
-            raise argparse.ArgumentTypeError(f'{label} must be a positive number of ranks or "host"; got {text!r}')
-        return value
+        return _ranks_or_word(text, {"host": "host"}, 1, f'{label} must be a positive number of ranks or "host"')
 
     def allowed(self) -> str:
         return 'K ranks (divides the world size), "host" (the ranks per host) or None (off)'
@@ -311,13 +317,8 @@ class Reshard(Kind):
                               name)
 
     def parse(self, text: str, label: str) -> Any:
-        word = text.strip().lower()
-        if word in ("auto", "true", "yes", "false", "no"):
-            return {"auto": "auto", "true": True, "yes": True}.get(word, False)
-        value = _integer_text(text)
-        if value is None or value < 2:
-            raise argparse.ArgumentTypeError(f"{label} takes auto, true, false or a number of ranks >= 2; got {text!r}")
-        return value
+        words = {"auto": "auto", "true": True, "yes": True, "false": False, "no": False}
+        return _ranks_or_word(text, words, 2, f"{label} takes auto, true, false or a number of ranks >= 2")
 
     def allowed(self) -> str:
         return '"auto" (every unit but the last), true, false, or K ranks (reshard to the hpZ group of K)'
