@@ -409,7 +409,7 @@ def _export_dir(folders: List[Path], out_dir: Path, model_config, tokenizer, max
 def _export_engine(engine: "ZeroEngine", out_dir: Path, model_config, tokenizer, max_shard_size, dtype,
                    progress, overwrite) -> Path:
     comm = engine.comm
-    multi = comm.distributed and comm.world_size > 1
+    multi = comm.world_size > 1
     engine.wait()  # no reduction of the engine's may still be in flight beside the export's own collectives
     layout, _ = model_layout(engine)
     entries = _entries(group_layout(engine), layout)

@@ -479,7 +479,7 @@ def stage_checkpoint(engine: "ZeroEngine", directory: os.PathLike,
     finally:
         if src is not None:
             src.close()
-    if not (comm.distributed and comm.world_size > 1):
+    if comm.world_size == 1:
         if failure is not None:
             raise failure
         return manifest, staged
