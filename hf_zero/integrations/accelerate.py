@@ -117,6 +117,12 @@ def _import_before_the_group(module: str) -> None:
         logger.debug("hf_zero: importing %s before the process group failed (%s)", module, exc)
 
 
+# Imported with hf_zero's integrations, which scripts import before TrainingArguments or an Accelerator creates the
+# process group: then DeepSpeed's group defaults bind None (the Trainer creates the group before any
+# HfZeroAccelerator exists, so __init__'s own call comes too late there).
+_import_before_the_group("deepspeed.comm.torch")
+
+
 class HfZeroAccelerator(Accelerator):
     """Accelerator whose `prepare` shards model and optimizer with ZeRO.
 
