@@ -274,5 +274,5 @@ def _with_globals(method: Any, **names: Any) -> Any:
     func = method.__func__
     copy = types.FunctionType(func.__code__, {**func.__globals__, **names}, func.__name__, func.__defaults__,
                               func.__closure__)
-    copy.__kwdefaults__ = func.__kwdefaults__
+    copy.__kwdefaults__ = func.__kwdefaults__  # on hf_zero's new function object; the original is untouched
     return types.MethodType(copy, method.__self__)
