@@ -7,17 +7,18 @@ Hooks per unit module:
   backward of one forward reached the unit's inputs". The unit counts its forwards that still wait for that, so
   several forwards before one backward (contrastive, DPO-style losses) keep it gathered until the last is done.
 - forward hook: register a gradient hook on the outputs (fires just before the unit's backward: gather again,
-  prefetch the previous unit) and release, unless the unit is the root (it stays gathered into the backward,
-  saving its second all-gather) or the backward is recomputing it.
+  prefetch the previous unit) and release, unless the unit does not reshard after forward (the root always; by
+  default the last block too: `reshard_after_forward`, planned per unit) or the backward is recomputing it.
 - release after backward: when the unit's trainable groups have been handed to the reducer and the backward
   has reached the unit's inputs; whatever is left is released when autograd finishes.
 
 Where a unit's all-gather comes from is its gather route (engine/routes.py), chosen once when
 the engine is built: plain, every rank's shard over the partition group; hpZ (ZeRO++'s hierarchical partition),
-which keeps each rank's slice of the gathered parameters over its host group when a unit is released after a
-forward that a backward will follow (`keep`), runs the backward's all-gather (and a recomputation's) inside the
-host from those slices, and drops them at the release after the backward, at the end of the backward, or once the
-step has changed the shards (`refresh`, each group's `version`).
+which cuts each rank's slice of the gathered parameters over its host group when a unit is released after a
+forward that a backward will follow (`keep`; the unit's state holds the slices: SHARDED_POST_FORWARD), runs the
+backward's all-gather (and a recomputation's) inside the host from those slices, and the unit drops them at the
+release after the backward, at the end of the backward, or once the step has changed the shards (each group's
+`version`).
 
 Transformers checkpoints a layer's `forward`, not its `__call__`, so these hooks do not run again during
 recomputation; the gradient hook on the outputs has already gathered the parameters by then. A checkpoint around
