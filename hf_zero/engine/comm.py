@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,13 +46,19 @@ class Ledger:
     def __init__(self) -> None:
         self.reset()
 
+    trace: Optional[List[Tuple[str, int, int, bool]]] = None  # a list: every call booked, (kind, elements, bytes, inter)
+
     def reset(self) -> None:
+        if self.trace is not None:
+            self.trace = []
         self.stats: Dict[str, Dict[str, int]] = defaultdict(_entry)
         self.strategies: Dict[str, Dict[str, Dict[str, int]]] = defaultdict(lambda: defaultdict(_entry))
 
     def record(self, kind: str, elements: int, element_size: int, inter_host: bool, strategy: str = "",
                wire_bytes: Optional[int] = None) -> None:
         where = "inter" if inter_host else "intra"
+        if self.trace is not None:
+            self.trace.append((kind, elements, elements * element_size, inter_host))
         _add(self.stats[kind], where, elements, elements * element_size)
         if strategy:
             _add(self.strategies[strategy][kind], where, elements,

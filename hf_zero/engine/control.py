@@ -8,22 +8,28 @@ strategy (engine/collectives/) and the ledger. The control plane is the rest, wh
 - `share` / `exchange`: rank 0's Python object on every rank, every rank's object in rank order (checkpoint tokens
   and manifests, hosts, export status);
 - `hosts`: every rank's hostname and LOCAL_WORLD_SIZE (the topology's host discovery);
+- `read`: a flag's value this rank decides on (the fp16 overflow flag after its all-reduce);
 - `check`: the `debug_collectives` fingerprint of every data collective, compared through the store.
 
 A one-rank world (no torch.distributed, or a group of one) answers them all without a collective: `Control` is
-made by `control_for`, the one place that looks at whether there are other ranks to ask.
+made by `control_for`, the one place that looks at whether there are other ranks to ask. So is a dry run (torch's
+`fake` backend, tools/estimate/dry_run.py): there the other ranks do not exist, so `SimulatedControl` answers for
+them from the topology the dry run was given (`simulated_hosts`): every rank agrees, shares what this rank has, and
+runs on host r // K. The data plane runs unchanged on fake tensors.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from contextvars import ContextVar
 from datetime import timedelta
-from typing import Any, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveMismatchError", "Control", "LocalControl", "control_for"]
+__all__ = ["CollectiveMismatchError", "Control", "LocalControl", "SimulatedControl", "control_for", "simulated_hosts"]
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -54,6 +60,10 @@ class LocalControl:
 
     def check(self, kind: str, tag: str, numel: int) -> None:
         self.calls += 1
+
+    def read(self, flag: torch.Tensor) -> float:
+        """The value of a one-element tensor this rank decides on (the fp16 overflow flag, already all-reduced)."""
+        return flag.item()
 
 
 class Control(LocalControl):
@@ -122,12 +132,54 @@ class Control(LocalControl):
                 )
 
 
+class SimulatedControl(LocalControl):
+    """A dry run's world of `world_size` ranks of which only `rank` runs: every other rank is taken to do what this
+    one does (the same errors, the same objects), and the world runs in hosts of `ranks_per_host` consecutive
+    ranks. Nothing is read from another rank, so nothing waits on a value a fake tensor does not have."""
+
+    def __init__(self, rank: int, world_size: int, ranks_per_host: int) -> None:
+        super().__init__()
+        self.rank, self.world_size, self.ranks_per_host = rank, world_size, ranks_per_host
+
+    def agree(self, error: Optional[str], tag: str = "") -> Optional[str]:
+        self.check("all_gather_object", tag, 1)
+        return None if error is None else f"rank {self.rank}: {error}"
+
+    def exchange(self, obj: Any) -> List[Any]:
+        return [obj] * self.world_size
+
+    def read(self, flag: torch.Tensor) -> float:
+        return 0.0  # a fake tensor has no value: the dry run takes the path of a step without overflow
+
+    def hosts(self) -> Tuple[List[str], List[Optional[int]]]:
+        k = self.ranks_per_host
+        return [f"host{r // k}" for r in range(self.world_size)], [k] * self.world_size
+
+
+_RANKS_PER_HOST: ContextVar[Optional[int]] = ContextVar("hf_zero_simulated_ranks_per_host", default=None)
+
+
+@contextlib.contextmanager
+def simulated_hosts(ranks_per_host: int) -> Iterator[None]:
+    """Inside the block, engines built over torch's `fake` backend take the world to run in hosts of
+    `ranks_per_host` consecutive ranks (default outside it: one host)."""
+    token = _RANKS_PER_HOST.set(ranks_per_host)
+    try:
+        yield
+    finally:
+        _RANKS_PER_HOST.reset(token)
+
+
 def control_for(group: Optional[dist.ProcessGroup], debug: bool = False, debug_timeout_s: float = 120,
                 prefix: str = "") -> LocalControl:
-    """The control plane over `group` (default: the world): `Control` when there are other ranks, else local."""
+    """The control plane over `group` (default: the world): `Control` when there are other ranks, a
+    `SimulatedControl` when they are simulated (torch's `fake` backend), else local."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return LocalControl()
     n = dist.get_world_size(group)
+    if dist.get_backend(group) == "fake":
+        world = dist.get_world_size()
+        return SimulatedControl(dist.get_rank(group), n, min(_RANKS_PER_HOST.get() or world, n))
     ranks = [dist.get_global_rank(group, r) for r in range(n)] if group is not None else list(range(n))
     return Control(group, dist.get_rank(group), ranks, debug, debug_timeout_s, prefix)
 

@@ -293,7 +293,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 g.grad_shard.div_(self.scaler.scale)
                 found += (~torch.isfinite(g.grad_shard)).any().float()
             self.world.all_reduce(found, "fp16 overflow flag", async_op=False, control=True, op=dist.ReduceOp.MAX)
-            self.grads_finite = bool(found.item() == 0)
+            self.grads_finite = self.world.control.read(found) == 0
         self.grads_prepared = True
         return self.grads_finite
 

@@ -118,11 +118,23 @@ def set_gathered(params: Any, gathered: bool) -> None:
     (PartitionedParameter, which refuses reads)."""
     cls = nn.Parameter if gathered else PartitionedParameter
     for p in params:
-        p.__class__ = cls
+        if not _fake(p):
+            p.__class__ = cls
+
+
+def _fake(p: torch.Tensor) -> bool:
+    """A dry run's parameter (a FakeTensor, tools/estimate/dry_run.py): it keeps its class, which is what makes it
+    fake; it has no values to guard."""
+    from torch._subclasses.fake_tensor import FakeTensor  # private module; see docs/architecture.md
+
+    return isinstance(p, FakeTensor)
 
 
 def partition_parameter(p: nn.Parameter, name: str, group: Any) -> None:
     """Turn `p` (in place, same object) into a PartitionedParameter of `group` named `name`."""
+    if _fake(p):
+        p._hfz_name, p._hfz_group = name, group
+        return
     if type(p) not in (nn.Parameter, PartitionedParameter):
         raise TypeError(f"hf_zero stage 3 partitions plain nn.Parameter objects; {name} is a "
                         f"{type(p).__name__}")
