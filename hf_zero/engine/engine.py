@@ -22,6 +22,7 @@ from .comm import Comm
 from .gatherer import GatheredBytes, Gatherer, Unit
 from .loading import ShardLoader, Weights, resolve_weights
 from .optimizer import ZeroOptimizer, check_elementwise
+from .placement import compute_device
 from .planning import ShardPlan, find_unit_modules, plan_model
 from .reducer import Reducer
 from .scaler import LossScaler
@@ -34,16 +35,12 @@ logger = logging.getLogger("hf_zero")
 
 
 def _default_device(model: nn.Module, group: Optional[dist.ProcessGroup], loading: bool) -> torch.device:
-    if dist.is_initialized() and torch.cuda.is_available() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    for p in model.parameters():
-        if p.device.type == "meta":
-            if loading:
-                return torch.device("cpu")
-            raise ValueError("the model is on the meta device and shard_model() got no weights: pass "
-                             "weights='folder_or_file.safetensors', or build it with hf_zero.from_pretrained")
-        return p.device
-    return torch.device("cpu")
+    """The facts placement.compute_device decides from, read once."""
+    config = dist.get_backend_config(group) if dist.is_available() and dist.is_initialized() else None
+    first = next(model.parameters(), None)
+    cuda = torch.cuda.is_available()
+    return compute_device(config, first.device if first is not None else None, loading, cuda,
+                          torch.cuda.current_device() if cuda else 0)
 
 
 class ZeroEngine:

@@ -32,18 +32,26 @@ STRATEGIES: Dict[str, Type[Collectives]] = {"flat": Flat, "chunked": Chunked}
 CHOICES = ("auto", *STRATEGIES)
 
 __all__ = ["Chain", "Chunked", "Collectives", "Flat", "Handle", "Local", "Quantization", "Quantized", "STRATEGIES",
-           "choose",
+           "backend_map", "choose",
            "gloo_device_types", "issued", "wait_all"]
+
+
+def backend_map(config: Optional[str]) -> Dict[str, str]:
+    """{"cpu": "gloo", "cuda": "nccl"} from a backend string (`dist.get_backend_config`'s "cpu:gloo,cuda:nccl");
+    a bare name ("nccl") is CUDA's, "gloo" both device types'."""
+    if not config:
+        return {}
+    if ":" not in config:
+        name = config.strip().lower()
+        return {"cpu": name, "cuda": name} if name == "gloo" else {"cuda": name}
+    pairs = (item.split(":", 1) for item in config.split(",") if item.strip())
+    return {device.strip().lower(): name.strip().lower() for device, name in pairs}
 
 
 def gloo_device_types(backend: str) -> Set[str]:
     """The device types whose collectives a group with this backend string ("gloo", "nccl",
     "cpu:gloo,cuda:nccl") runs on gloo."""
-    backend = backend.lower()
-    if ":" not in backend:
-        return {"cpu", "cuda"} if backend == "gloo" else set()
-    pairs = (item.split(":", 1) for item in backend.split(","))
-    return {device.strip() for device, name in pairs if name.strip() == "gloo"}
+    return {device for device, name in backend_map(backend).items() if name == "gloo"}
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,7 @@ def choose(name: str, device_type: str, group: Optional[dist.ProcessGroup], rank
     inside `Quantized` when `quantization` is given. The one place that looks at whether torch.distributed runs,
     at the backend and at the options that choose a strategy."""
     if name == "auto" and distributed:
-        name = "chunked" if device_type in gloo_device_types(str(dist.get_backend(group))) else "flat"
+        name = "chunked" if device_type in gloo_device_types(dist.get_backend_config(group)) else "flat"
     if name not in CHOICES:
         raise ValueError(f"collectives={name!r}; allowed: {', '.join(CHOICES)}")
     chosen = STRATEGIES[name](group, rank, global_ranks) if distributed else Local(group, rank, global_ranks)
