@@ -64,14 +64,8 @@ from .base import Settings, WorkerContext, cpu_count, extensions_dir, init_worke
 from .load_systems import DeepSpeedLoad, FSDP2Load, HfZeroLoad, Loaded, LoadJob, weight_files
 from .runner import build_config, load_model_config, log
 from .spawn import error_summary, first_error, spawn, worker_done, worker_failed
+from ..presets import LOAD_PRESETS
 
-# Presets only big enough to see loading memory; for manual runs (minutes on a CPU).
-LOAD_PRESETS: Dict[str, Dict[str, Any]] = {
-    # A Llama of ~271M parameters: 16 layers of width 1024, vocabulary 32000, untied embeddings.
-    "llama270m": dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                      num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
-                      max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
-}
 
 HF_ZERO_LOAD = {f"zero{k}": k for k in range(4)}
 DEEPSPEED_LOAD = {f"deepspeed_zero{k}": k for k in range(1, 4)}

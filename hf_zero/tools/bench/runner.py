@@ -65,6 +65,7 @@ from .formulas import (RANKS_PER_HOST_FLAG, formula_bytes_for_hosts, formula_spl
 from .spawn import error_summary, run_group, worker_done, worker_failed
 from .spec import Counts, Split, SystemSpec
 from .systems import COMPILED, SYSTEMS, base_system
+from ..presets import PRESETS
 
 # what the bench's other modules and the tests import from here (the registry's and the formulas' names among them,
 # re-exported)
@@ -75,16 +76,6 @@ __all__ = ["COMPILED", "DEFAULT_TIMEOUT_S", "PRESETS", "RANKS_PER_HOST_FLAG", "S
 DEFAULT_TIMEOUT_S = 1800
 
 
-PRESETS: Dict[str, Dict[str, Any]] = {
-    # GPT-2 small (124M): the shapes of the `gpt2` checkpoint, built from scratch.
-    "gpt2": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12),
-    # A GPT-2 of ~5.4M parameters (4 layers x 256, vocabulary 8192): per-step overhead shows here, not at 124M.
-    "gpt2-5m": dict(model_type="gpt2", vocab_size=8192, n_positions=512, n_embd=256, n_layer=4, n_head=4,
-                    bos_token_id=0, eos_token_id=0),
-    # A GPT-2 of ~141K parameters for tests and smoke runs.
-    "tiny": dict(model_type="gpt2", vocab_size=512, n_positions=128, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
-                 eos_token_id=0),
-}
 
 
 def log(msg: str) -> None:
