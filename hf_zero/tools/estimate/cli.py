@@ -11,6 +11,8 @@ from typing import Any, Dict, List, Optional
 from ...config import ZeroConfig
 from ...options import BY_NAME, QUANTIZATION_BITS
 from .activations import ATTENTION_KINDS, activation_report
+from .dry_run_cli import add_dry_run_arguments, run_dry
+from .table import table as _table
 from .formulas import DEFAULT_BLOCK_SIZE
 from .plan import (GB, MAX_WORLD, STAGES, ZEROPP_RANKS_PER_HOST, ZEROPP_WORLDS, Planner, check_ranks_per_host,
                    fits_formula, fits_plan, fits_with_activations, formula_recipe, formula_report,
@@ -65,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                         help="--zeropp: elements per fp32 scale (quantization_block_size)")
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    add_dry_run_arguments(parser)
 
 
 def _gb(x: float) -> str:
@@ -75,14 +78,9 @@ def _fmt_comm(d: Dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.3g}" for k, v in sorted(d.items()))
 
 
-def _table(header: List[str], rows: List[List[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
 def run(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return run_dry(args)
     if args.zeropp:
         return run_zeropp(args)
     t0 = time.perf_counter()

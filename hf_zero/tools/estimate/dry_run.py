@@ -1,0 +1,250 @@
+"""`hf-zero estimate --dry-run`: the real engine, one real step, as one rank of a world of N, on fake tensors.
+
+The formulas (formulas.py) and the plan (plan.py) say what the engine should allocate and send; the dry run shows
+what it does. It builds the model on the meta device, makes its parameters fake CPU tensors (FakeTensorMode: shapes,
+dtypes and storages of the right size, no values, no math), creates a world of N ranks on torch's `fake` process-group
+backend (every collective returns at once), shards the model with the real `shard_model` as rank r, and runs one real
+optimizer step: `micro_batches` forwards and backwards (the non-final ones under `no_sync`), clipping, the step.
+
+What it reports is measured, not computed: the engine's own `memory_stats()` (model states by kind, buffers,
+gathered parameters), the peak of live tensor bytes over the step split by the phase that allocated them
+(live_bytes.py: activations are what the forward allocated), and the engine's ledger of the step (calls, elements,
+intra/inter-host and per-strategy bytes). Beside each: the estimator's plan count and the paper's formula.
+
+The other ranks do not exist. The control plane (engine/control.py) answers for them (`SimulatedControl`: every rank
+agrees and runs on host r // K), and the fp16 overflow flag reads "no overflow". What it cannot see: `CANNOT_SEE`.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import resource
+import sys
+import time
+from typing import Any, Dict, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...config import ZeroConfig
+from ...engine.control import simulated_hosts
+from ..presets import llama_of_size, model_config
+from .formulas import hierarchical_comm_elements, model_state_bytes, recipe
+from .live_bytes import LiveBytes
+from .plan import comm_sizes, plan_bytes, wire_bytes
+
+__all__ = ["CANNOT_SEE", "dry_run"]
+
+logger = logging.getLogger("hf_zero")
+
+CANNOT_SEE = ("kernel workspaces (cuBLAS, attention kernels) and the CUDA context",
+              "NCCL's own buffers and channels",
+              "the caching allocator's rounding and fragmentation (reserved minus allocated)",
+              "the other ranks (each rank's bytes differ only by where padding falls; run --rank R for another)",
+              "time: fake tensors do no math and fake collectives send nothing")
+
+
+def _config_dict(model: Any) -> Any:
+    """A Transformers config (or dict) for `model`: a number of parameters (a Llama of that size), a preset name,
+    a config.json or its folder, a dict or a PretrainedConfig."""
+    if isinstance(model, (int, float)):
+        return llama_of_size(float(model))
+    if isinstance(model, str):
+        return model_config(model)
+    return model
+
+
+def _meta_model(model: Any) -> nn.Module:
+    from ...integrations.hf_models import causal_lm_from_config, config_from_dict, config_from_path, quiet
+
+    quiet()
+    spec = _config_dict(model)
+    config = config_from_dict(spec) if isinstance(spec, dict) else config_from_path(spec)
+    with torch.device("meta"):
+        return causal_lm_from_config(config)
+
+
+def _fake_cpu(model: nn.Module) -> nn.Module:
+    """`model` (on meta) with fake CPU tensors in place of its parameters and buffers, in place. Unlike
+    `to_empty`, a tensor two modules share (tied embeddings) stays one tensor."""
+    memo: Dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            empty = torch.empty_like(t, device="cpu")
+            memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+        return memo[id(t)]
+
+    for module in model.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, t in slots.items():
+                if t is not None:
+                    slots[name] = fake(t)
+    return model
+
+
+@contextlib.contextmanager
+def _fake_world(num_processes: int, rank: int) -> Iterator[None]:
+    """torch.distributed's default group as rank `rank` of `num_processes` on the `fake` backend, for the block."""
+    if dist.is_initialized():
+        raise RuntimeError("hf_zero dry run: torch.distributed is already initialized in this process; the dry run "
+                           "makes its own world of fake ranks. Run it in a process of its own (hf-zero estimate "
+                           "--dry-run does)")
+    # torch's fake store and backend live in its testing package (the one torchtitan's estimator uses too)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=num_processes)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def dry_run(model: Any, config: ZeroConfig, num_processes: int, *, ranks_per_host: Optional[int] = None,
+            rank: int = 0, batch_size: int = 1, seq_len: int = 128, micro_batches: int = 1,
+            max_grad_norm: Optional[float] = 1.0, gradient_checkpointing: bool = False,
+            trace: bool = False, progress: bool = False) -> Dict[str, Any]:
+    """Run one optimizer step of the real engine as rank `rank` of `num_processes` on fake tensors; return what
+    it measured (bytes per rank by kind, the peak, the ledger) beside the estimator's figures.
+
+    Args:
+        model: a number of parameters (a Llama of about that size), a preset name, a local config.json or model
+            folder, a config dict (with "model_type") or a PretrainedConfig. Built on meta; no weights are read.
+        config: the ZeroConfig to shard with (HSDP/hpZ: shard_group_size / hpz_partition_size, "host" included).
+        num_processes: N, the world size (1 .. 65536).
+        ranks_per_host: K, ranks per host (hosts of K consecutive ranks; default: one host of N).
+        rank: which rank this process plays.
+        batch_size, seq_len: the micro-batch of token ids; micro_batches: accumulation steps per optimizer step.
+        max_grad_norm: clip to this norm (None: no clipping).
+        gradient_checkpointing: Transformers' non-reentrant checkpointing on the model's layers.
+        trace: also return the ledger's every call of the step, in order (`"trace"`: kind, elements, bytes, inter).
+    """
+    if not 1 <= num_processes <= 65536:
+        raise ValueError(f"num_processes must be in 1..65536, got {num_processes}")
+    if not 0 <= rank < num_processes:
+        raise ValueError(f"rank {rank} is not a rank of a world of {num_processes}")
+    k = ranks_per_host or num_processes
+    if num_processes % k:
+        raise ValueError(f"ranks_per_host {k} does not divide num_processes {num_processes}: every host runs the "
+                         f"same number of ranks")
+    if batch_size < 1 or seq_len < 1 or micro_batches < 1:
+        raise ValueError("batch_size, seq_len and micro_batches must be at least 1")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ...engine.engine import shard_model
+
+    seconds: Dict[str, float] = {}
+    rss0 = _max_rss()
+    t = time.perf_counter()
+    bar = _progress(progress, 3 + 2 * micro_batches)
+    meta = _meta_model(model)
+    if gradient_checkpointing:
+        meta.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    seconds["build_meta"] = time.perf_counter() - t
+    bar.update()
+    with _fake_world(num_processes, rank), simulated_hosts(k), \
+            FakeTensorMode(allow_non_fake_inputs=True):  # the meta model is the one real input
+        engine = None
+        tracker = LiveBytes(lambda: engine.gathered.now if engine is not None and engine.gatherer is not None else 0)
+        with tracker:
+            t = time.perf_counter()
+            fake = _fake_cpu(meta)
+            optimizer = torch.optim.AdamW(fake.parameters(), lr=1e-4)
+            engine = shard_model(fake, optimizer, config)
+            if engine.gatherer is not None:  # resized outside any op: counted by the engine (`gathered`)
+                tracker.exclude(g.full for g in engine.groups)
+            seconds["shard_model"] = time.perf_counter() - t
+            bar.update()
+            built = engine.memory_stats()
+            if trace:
+                engine.comm.ledger.trace = []
+            tracker.reset_peak()
+            t = time.perf_counter()
+            vocab = fake.get_input_embeddings().num_embeddings
+            for m in range(micro_batches):
+                ids = torch.randint(0, vocab, (batch_size, seq_len))
+                context = engine.no_sync() if m < micro_batches - 1 else contextlib.nullcontext()
+                with context:
+                    tracker.phase = "forward"
+                    loss = fake(input_ids=ids, labels=ids).loss
+                    bar.update()
+                    tracker.phase = "backward"
+                    engine.backward(loss)
+                    del loss
+                    bar.update()
+            tracker.phase = "step"
+            if max_grad_norm is not None:
+                engine.clip_grad_norm_(max_grad_norm)
+            engine.optimizer.step()
+            engine.optimizer.zero_grad()
+            seconds["step"] = time.perf_counter() - t
+            bar.update()
+        bar.close()
+        report = _report(engine, config, num_processes, k, rank, micro_batches, built, tracker)
+        if trace:
+            report["trace"] = list(engine.comm.ledger.trace)
+        engine.close()
+    report.update(batch_size=batch_size, seq_len=seq_len, micro_batches=micro_batches,
+                  gradient_checkpointing=gradient_checkpointing,
+                  seconds={key: round(v, 3) for key, v in seconds.items()},
+                  python_peak_rss_growth=_max_rss() - rss0, cannot_see=list(CANNOT_SEE))
+    return report
+
+
+def _report(engine: Any, config: ZeroConfig, n: int, k: int, rank: int, micro_batches: int,
+            built: Dict[str, int], tracker: LiveBytes) -> Dict[str, Any]:
+    plan = engine.plan
+    stats = engine.memory_stats()
+    planned = plan_bytes(plan, config, engine.partition_comm.rank)
+    option = engine.topology.option
+    kk = engine.topology.group_size if option != "none" else k
+    psi, frozen = plan.num_trainable, plan.num_frozen
+    formula = model_state_bytes(psi, engine.partition_comm.world_size if option == "hsdp" else n, config.stage,
+                                recipe(config.mixed_precision if config.mixed_precision != "no" else "fp32",
+                                       config.grad_accum_dtype), frozen)
+    trainable, frozen_padded, resident = comm_sizes(plan)
+    elements = hierarchical_comm_elements(trainable, n, kk, config.stage, option, micro_batches,
+                                          resident if config.stage == 3 else 0, frozen_padded)
+    wire = wire_bytes(plan, config)
+    ledger = engine.comm_stats()
+    kinds = [kd for kd in ("all_gather", "reduce_scatter", "all_reduce") if kd in ledger]
+    return {
+        "mode": "dry_run", "world_size": n, "ranks_per_host": k, "hosts": n // k, "rank": rank,
+        "stage": config.stage, "topology": engine.topology.describe(), "option": option,
+        "mixed_precision": config.mixed_precision, "grad_accum_dtype": config.grad_accum_dtype,
+        "psi": psi, "frozen": frozen, "groups": len(plan.groups), "units": len(plan.units),
+        "padding_elements": plan.padding,
+        "measured": {key: stats[key] for key in ("params", "grads", "master", "optimizer_states", "model_states",
+                                                 "module_buffers", "comm_buffers_peak", "gathered_params_peak",
+                                                 "hpz_secondary_peak", "error_feedback")},
+        "after_construction": {key: built[key] for key in ("model_states", "buffers")},
+        "peak": {"total": tracker.peak, "at_peak": dict(tracker.at_peak),
+                 "activations": tracker.phase_peak.get("forward", 0)},
+        "plan": planned,
+        "formula": {"model_states": formula, "recipe": "hf_zero's for these settings, no padding"},
+        "ledger": {kd: ledger[kd] for kd in kinds + ["total"]},
+        "ledger_by_strategy": {name: v["total"] for name, v in engine.comm_stats_by_strategy().items()},
+        "formula_comm": {side: {kd: {"elements": int(v), "bytes": int(v) * wire[kd]} for kd, v in kinds_.items()}
+                         for side, kinds_ in elements.items()},
+    }
+
+
+def _max_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def _progress(enabled: bool, total: int) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="dry run (meta, shard, forward/backward, step)", file=sys.stderr, leave=False)

@@ -1,0 +1,135 @@
+"""hf-zero estimate --dry-run: the command line over dry_run.py (one dry run per stage, a table or --json)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Dict, List, Tuple
+
+from ...config import ZeroConfig, ZeroConfigError
+from ...options import HIERARCHICAL
+from .dry_run import CANNOT_SEE, dry_run
+from .plan import GB, STAGES
+from .table import table as _table
+
+
+def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run the real engine for one optimizer step as one rank of N on fake tensors (no "
+                             "weights, no math) and report what it allocated and sent beside the estimate; --model "
+                             "also takes a preset name (tiny, gpt2, gpt2-5m, llama270m), --params builds a Llama of "
+                             "that size")
+    parser.add_argument("--hierarchy", choices=("none",) + tuple(HIERARCHICAL), default="none",
+                        help="--dry-run: HSDP (shard_group_size) or hpZ (hpz_partition_size) over the "
+                             "--ranks-per-host ranks of each host")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="--dry-run: any other ZeroConfig setting, e.g. --option quantized_weights=int8 "
+                             "(repeatable)")
+    parser.add_argument("--rank", type=int, default=0, help="--dry-run: the rank to play (default 0)")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="--dry-run: Transformers' (non-reentrant) activation checkpointing on the layers")
+
+
+def _value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def _configs(args: argparse.Namespace) -> Dict[int, ZeroConfig]:
+    values: Dict[str, Any] = {"mixed_precision": args.mixed_precision,
+                              "grad_accum_dtype": args.grad_accum_dtype or "fp32"}
+    for item in args.option:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ZeroConfigError(f"--option {item!r}: write KEY=VALUE, e.g. --option quantized_weights=int8")
+        values[key.strip()] = _value(text.strip())
+    if args.hierarchy != "none":
+        values[HIERARCHICAL[args.hierarchy]] = "host"
+    stages = STAGES if args.stage is None else (args.stage,)
+    if args.hierarchy == "hpz":
+        stages = (3,)
+    elif args.hierarchy == "hsdp":
+        stages = tuple(s for s in stages if s >= 1)
+    return {stage: ZeroConfig(**{**values, "stage": stage}) for stage in stages}
+
+
+def run_dry(args: argparse.Namespace) -> int:
+    if args.num_processes is None:
+        print("hf-zero estimate: --dry-run needs --num-processes N", file=sys.stderr)
+        return 2
+    try:
+        configs = _configs(args)
+    except (ZeroConfigError, TypeError, ValueError) as exc:
+        print(f"hf-zero estimate: error: {exc}", file=sys.stderr)
+        return 2
+    model = args.params if args.params is not None else args.model
+    reports: List[Dict[str, Any]] = []
+    for stage, config in configs.items():
+        try:
+            reports.append(dry_run(model, config, args.num_processes, ranks_per_host=args.ranks_per_host,
+                                   rank=args.rank, batch_size=args.batch_size or 1, seq_len=args.seq_len or 128,
+                                   micro_batches=args.micro_batches,
+                                   gradient_checkpointing=args.gradient_checkpointing,
+                                   progress=not args.json and sys.stderr.isatty()))
+        except (OSError, ValueError, ZeroConfigError) as exc:
+            print(f"hf-zero estimate: error: {exc}", file=sys.stderr)
+            return 2
+    if args.json:
+        print(json.dumps({"mode": "dry_run", "runs": reports}, default=float))
+    else:
+        print(render(reports))
+    return 0
+
+
+def _unit(reports: List[Dict[str, Any]]) -> Tuple[str, float]:
+    """GB (the paper's, decimal) for big models, MB for small ones."""
+    largest = max(r["measured"]["model_states"] for r in reports)
+    return ("GB", GB) if largest >= 0.1 * GB else ("MB", 1e6)
+
+
+def _elements(d: Dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:.4g}" for k, v in d.items()) or "-"
+
+
+def render(reports: List[Dict[str, Any]]) -> str:
+    first = reports[0]
+    unit, scale = _unit(reports)
+    _g = lambda x: f"{x / scale:.3f}"  # noqa: E731
+    lines = [f"Dry run: rank {first['rank']} of N = {first['world_size']} ({first['hosts']} host(s) of "
+             f"{first['ranks_per_host']}), Ψ = {first['psi']:,} trainable + {first['frozen']:,} frozen, "
+             f"mixed_precision {first['mixed_precision']}, grad_accum_dtype {first['grad_accum_dtype']}, "
+             f"micro-batch {first['batch_size']} x {first['seq_len']}, {first['micro_batches']} per step",
+             f"model states per rank, {unit} (measured = the engine's memory_stats() after the step; plan = the "
+             "estimator's exact count; formula = the paper's, no padding):"]
+    header = ["", "params", "grads", "master", "optim", "measured", "plan", "formula", "Δ formula",
+              "peak", "activations"]
+    rows = []
+    for r in reports:
+        m = r["measured"]
+        label = f"stage {r['stage']}" + ("" if r["option"] == "none" else f" {r['option']}")
+        delta = (m["model_states"] - r["formula"]["model_states"]) / max(r["formula"]["model_states"], 1)
+        rows.append([label, _g(m["params"]), _g(m["grads"]), _g(m["master"]), _g(m["optimizer_states"]),
+                     _g(m["model_states"]), _g(r["plan"]["model_states"]), _g(r["formula"]["model_states"]),
+                     f"{100 * delta:+.2f}%", _g(r["peak"]["total"]), _g(r["peak"]["activations"])])
+    lines.append(_table(header, rows))
+    lines.append("communication per rank and step, elements (ledger = the engine's, formula = the paper's counting "
+                 "over the plan's padded groups):")
+    rows = []
+    for r in reports:
+        label = f"stage {r['stage']}" + ("" if r["option"] == "none" else f" {r['option']}")
+        for side in ("intra", "inter"):
+            ledger = {k: v[f"{side}_elements"] for k, v in r["ledger"].items() if k != "total" and v[f"{side}_elements"]}
+            formula = {k: v["elements"] for k, v in r["formula_comm"].get(side, {}).items() if v["elements"]}
+            if ledger or formula:
+                rows.append([label, side, _elements(ledger), _elements(formula)])
+    lines.append(_table(["", "host", "ledger", "formula"], rows))
+    secs = ", ".join(f"stage {r['stage']}: shard_model {r['seconds']['shard_model']:.1f} s, step "
+                     f"{r['seconds']['step']:.1f} s" for r in reports)
+    lines.append(f"({secs})")
+    lines.append("Not seen by a dry run: " + "; ".join(CANNOT_SEE) + ".")
+    return "\n".join(lines)
+
