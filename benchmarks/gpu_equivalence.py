@@ -96,6 +96,28 @@ def engine_run(device, rank: int = 0, world: int = 1, ckpt: Optional[tuple] = No
     return out
 
 
+def loaded_run(device, folder: str, **options) -> Dict[str, Any]:
+    """hf_zero.from_pretrained (a model on meta) sharded with no device given: the engine's placement chooses
+    (engine/placement.py), then the same training as engine_run."""
+    import hf_zero
+    from transformers import AutoModelForCausalLM
+
+    model = hf_zero.from_pretrained(AutoModelForCausalLM, folder, dtype=torch.float32)
+    engine = hf_zero.shard_model(model, torch.optim.AdamW(model.parameters(), lr=1e-3), hf_zero.ZeroConfig(**options))
+    for step in _batches(device):
+        for j, x in enumerate(step):
+            with engine.no_sync() if j < ACCUM - 1 else _null():
+                engine.backward(engine.model(input_ids=x.to(engine.device), labels=x.to(engine.device)).loss / ACCUM)
+        engine.clip_grad_norm_(1.0)
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+    state = {k: v.detach().float().cpu() for k, v in engine.full_state_dict().items()}
+    out = {"state": state, "device": str(engine.device), "backend_config": dist.get_backend_config(),
+           "collectives": sorted(engine.collectives)}
+    engine.close()
+    return out
+
+
 class _null:
     def __enter__(self):
         return None
@@ -176,6 +198,8 @@ def main(argv=None) -> int:
         try:
             got = fn()
             row = {"case": name, **compare(got.pop("state"), want, rtol), **got}
+            if cuda and row.get("device", "cuda").split(":")[0] != "cuda":
+                row.update(ok=False, error=f"the engine computed on {row['device']}, not the GPU")
         except Exception:
             row = {"case": name, "ok": False, "error": traceback.format_exc()[-3000:]}
         row["seconds"] = round(time.perf_counter() - t0, 2)
@@ -211,6 +235,15 @@ def main(argv=None) -> int:
     dist.init_process_group(rank=0, world_size=1)  # no backend: torch picks one per device
     info["default_backend"] = str(dist.get_backend())
     case(f"default backend ({info['default_backend']}) stage 3", lambda: engine_run(device, stage=3), want=fp32)
+    # a meta model loading into shards with no device given: under the default backend ("cpu:gloo,cuda:nccl",
+    # which get_backend calls "undefined") it must land on the GPU (it landed on the CPU before engine/placement.py)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        _model().save_pretrained(folder)
+        for stage in (0, 3):
+            case(f"default backend, from_pretrained on meta, no device given, stage {stage}",
+                 lambda s=stage: loaded_run(device, folder, stage=s), want=fp32)
     dist.destroy_process_group()
 
     for stage in (1, 2, 3) if cuda else ():

@@ -257,3 +257,32 @@ def test_cli_dry_run_errors(capsys, args, match):
 
     assert main(["estimate", "--dry-run", *args]) == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,options,precision", [
+    ("offload", dict(stage=3, offload_optimizer="cpu", offload_params="cpu"), {}),
+    ("qwZ+qgZ int4 with error feedback", dict(stage=3, quantized_weights="int8", quantized_gradients="int4",
+                                              quantized_error_feedback=True), {}),
+    ("fp16 (the overflow flag through the control plane)", dict(stage=3, mixed_precision="fp16"),
+     dict(mixed_precision="fp16")),
+    ("stage 2 bf16, gradients in bf16", dict(stage=2, mixed_precision="bf16", grad_accum_dtype="compute"),
+     dict(mixed_precision="bf16", grad_accum_dtype="compute")),
+    ("no reshard after forward", dict(stage=3, reshard_after_forward=False), {}),
+    ("hpZ over hosts of 2", dict(stage=3, hpz_partition_size="host"), {}),
+])
+def test_dry_run_through_the_engine_paths(name, options, precision):
+    """The engine's other paths on fake tensors (ZeRO++, offload, fp16, the reshard policies) at N = 4 in hosts
+    of 2: none reads a value the fake tensors do not have, and the model states are the count's."""
+    n = 4
+    with torch.device("meta"):
+        shapes = models.make_model("llama")
+    out = dry_run(models._config("llama"), ZeroConfig(**options), n, ranks_per_host=2, seq_len=SEQ,
+                  micro_batches=MICRO, gradient_checkpointing=name.startswith("no reshard"))
+    want = state_bytes(shapes, n, options["stage"], 0, **precision)
+    if "offload_optimizer" in options:  # ZeRO-Offload keeps its own fp32 host copy of the shard, the step's input
+        want["master"] = want["params"]
+        want["model_states"] += want["params"]
+    assert {k: out["measured"][k] for k in KEYS} == want, name
+    if "error feedback" in name:  # qgZ's fp32 residuals, one per gradient group and hop
+        assert out["measured"]["error_feedback"] > 0
+        assert "quantized" in " ".join(out["ledger_by_strategy"])

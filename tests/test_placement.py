@@ -74,10 +74,15 @@ def _init(backend, **kw):
     dist.init_process_group(backend, store=kw.pop("store", None) or dist.HashStore(), rank=0, world_size=1)
 
 
-@pytest.mark.parametrize("backend,expected", [("gloo", GLOO), (None, CPU_DEFAULT)])
+# torch's default backend names CUDA's only in a CUDA build (this CI's torch is the CPU build)
+DEFAULT = MIXED if torch.cuda.is_available() else CPU_DEFAULT
+
+
+@pytest.mark.parametrize("backend,expected", [("gloo", GLOO), (None, DEFAULT)])
 def test_the_facts_come_from_get_backend_config(backend, expected):
     """The engine reads dist.get_backend_config, which names the device types; get_backend says "undefined" for
-    torch's default (mixed) backend."""
+    torch's default (mixed) backend. On a GPU machine this is the real thing: a meta model loading under the
+    default backend lands on the GPU, under gloo on the CPU."""
     from torch import nn
 
     from hf_zero.engine.engine import _default_device
@@ -91,7 +96,9 @@ def test_the_facts_come_from_get_backend_config(backend, expected):
         assert dist.get_backend_config() == expected
         with torch.device("meta"):
             model = nn.Linear(2, 2)
-        assert _default_device(model, None, loading=True) == CPU  # no CUDA on this machine
+        on_gpu = torch.cuda.is_available() and expected == MIXED
+        want = torch.device("cuda", torch.cuda.current_device()) if on_gpu else CPU
+        assert _default_device(model, None, loading=True) == want
         assert _default_device(nn.Linear(2, 2), None, loading=False) == CPU
     finally:
         dist.destroy_process_group()
