@@ -109,7 +109,6 @@ def test_dry_run_equals_a_real_run(real_runs, world_size, kind, stage):
 
 
 # ------------------------------------------------------------------------------------------ at cluster scale
-@pytest.mark.slow
 def test_dry_run_at_1024_ranks_of_a_billion_parameter_llama_matches_the_paper():
     """Stage 3 at N = 1024 (hosts of 8) for a Llama of ~1.3e9 parameters, bf16 with fp32 gradient accumulation:
     model states per rank are (2 + 4 + 4 + 8) Ψ / N bytes (params, grads, master, Adam), within 1% (padding and
@@ -141,7 +140,6 @@ def test_dry_run_at_1024_ranks_of_a_billion_parameter_llama_matches_the_paper():
     assert ledger["reduce_scatter"]["bytes"] == 4 * ledger["reduce_scatter"]["elements"]  # fp32 reductions
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("hierarchy", ["hsdp", "hpz"])
 def test_dry_run_hierarchy_at_64_ranks(hierarchy):
     """HSDP and hpZ over hosts of 8 at N = 64 (tiny GPT-2, fp32): HSDP holds the stage-3 model states of 8 ranks
@@ -286,3 +284,15 @@ def test_dry_run_through_the_engine_paths(name, options, precision):
     if "error feedback" in name:  # qgZ's fp32 residuals, one per gradient group and hop
         assert out["measured"]["error_feedback"] > 0
         assert "quantized" in " ".join(out["ledger_by_strategy"])
+
+
+@pytest.mark.parametrize("name,params", [("meta-llama/Llama-2-7b-hf", 6_738_415_616),
+                                         ("HuggingFaceTB/SmolLM2-135M", 134_515_008)])
+def test_hub_shapes_have_the_public_models_parameter_counts(name, params):
+    """The model cards' counts (Llama-2-7b: 6,738,415,616; SmolLM2-135M: 134,515,008, tied embeddings)."""
+    from hf_zero.integrations.hf_models import causal_lm_from_config, config_from_dict
+    from hf_zero.tools.presets import model_config
+
+    with torch.device("meta"):
+        model = causal_lm_from_config(config_from_dict(model_config(name)))
+    assert sum(p.numel() for p in model.parameters()) == params

@@ -1,4 +1,5 @@
-"""Model shapes the tools know by name (the bench's presets, the load bench's), and a Llama of a given size.
+"""Model shapes the tools know by name (the bench's presets, the load bench's, a few public models' under their Hub
+names), and a Llama of a given size.
 
 Each is a Transformers config as a dict (`model_type` plus the shape), built from scratch: nothing is downloaded.
 """
@@ -8,7 +9,7 @@ import json
 import os
 from typing import Any, Dict
 
-__all__ = ["LOAD_PRESETS", "PRESETS", "llama_of_size", "model_config"]
+__all__ = ["HUB_SHAPES", "LOAD_PRESETS", "PRESETS", "llama_of_size", "model_config"]
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     # GPT-2 small (124M): the shapes of the `gpt2` checkpoint, built from scratch.
@@ -27,6 +28,22 @@ LOAD_PRESETS: Dict[str, Dict[str, Any]] = {
     "llama270m": dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
                       num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
                       max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+}
+
+# Public models' shapes under their Hub names (from their config.json; built from scratch, never downloaded).
+HUB_SHAPES: Dict[str, Dict[str, Any]] = {
+    "HuggingFaceTB/SmolLM2-135M": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                       num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                       max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=0,
+                                       eos_token_id=0),
+    "meta-llama/Llama-2-7b-hf": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                                     max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
+                                     eos_token_id=2),
+    "meta-llama/Llama-2-70b-hf": dict(model_type="llama", vocab_size=32000, hidden_size=8192,
+                                      intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                                      num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=False,
+                                      bos_token_id=1, eos_token_id=2),
 }
 
 _VOCAB = 32000
@@ -60,7 +77,7 @@ def _per_layer(h: int) -> int:
 
 def model_config(name_or_path: str) -> Dict[str, Any]:
     """A preset's config, or a local config.json (or the folder holding one) as a dict."""
-    presets = {**PRESETS, **LOAD_PRESETS}
+    presets = {**PRESETS, **LOAD_PRESETS, **HUB_SHAPES}
     if name_or_path in presets:
         return dict(presets[name_or_path])
     path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path

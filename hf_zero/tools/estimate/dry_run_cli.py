@@ -17,8 +17,9 @@ def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="run the real engine for one optimizer step as one rank of N on fake tensors (no "
                              "weights, no math) and report what it allocated and sent beside the estimate; --model "
-                             "also takes a preset name (tiny, gpt2, gpt2-5m, llama270m), --params builds a Llama of "
-                             "that size")
+                             "also takes a preset name (tiny, gpt2, gpt2-5m, llama270m, or a Hub name whose shape it knows: "
+                             "meta-llama/Llama-2-7b-hf, meta-llama/Llama-2-70b-hf, HuggingFaceTB/SmolLM2-135M), --params "
+                             "builds a Llama of that size")
     parser.add_argument("--hierarchy", choices=("none",) + tuple(HIERARCHICAL), default="none",
                         help="--dry-run: HSDP (shard_group_size) or hpZ (hpz_partition_size) over the "
                              "--ranks-per-host ranks of each host")
