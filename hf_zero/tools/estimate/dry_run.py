@@ -17,7 +17,6 @@ agrees and runs on host r // K), and the fp16 overflow flag reads "no overflow".
 from __future__ import annotations
 
 import contextlib
-import logging
 import resource
 import sys
 import time
@@ -35,8 +34,6 @@ from .live_bytes import LiveBytes
 from .plan import comm_sizes, plan_bytes, wire_bytes
 
 __all__ = ["CANNOT_SEE", "dry_run"]
-
-logger = logging.getLogger("hf_zero")
 
 CANNOT_SEE = ("kernel workspaces (cuBLAS, attention kernels) and the CUDA context",
               "NCCL's own buffers and channels",
