@@ -74,11 +74,17 @@ class LiveBytes(TorchDispatchMode):
             record: List[Any] = [self.phase, n]
             self._records[st] = record
             self.live[self.phase] += n
-            weakref.finalize(st, self._freed, record)
+            # the callback holds the tracker weakly: weakref.finalize keeps callbacks in a global registry until the
+            # storage dies, so a strong one would keep the tracker, and what its `extra` reaches, alive for good
+            weakref.finalize(st, _freed, weakref.ref(self), record)
         elif record[1] != n:
             self.live[record[0]] += n - record[1]
             record[1] = n
 
-    def _freed(self, record: List[Any]) -> None:
-        self.live[record[0]] -= record[1]
-        record[1] = 0
+
+
+def _freed(tracker: "weakref.ref[LiveBytes]", record: List[Any]) -> None:
+    alive = tracker()
+    if alive is not None:
+        alive.live[record[0]] -= record[1]
+    record[1] = 0
