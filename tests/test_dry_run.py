@@ -249,12 +249,21 @@ def test_cli_dry_run_table_and_json(capsys):
     (["--model", "tiny", "--num-processes", "2", "--option", "stage3"], "KEY=VALUE"),
     (["--model", "tiny", "--num-processes", "2", "--option", "no_such_setting=1"], "no_such_setting"),
     (["--model", "no/such/config.json", "--num-processes", "2", "--stage", "1"], "neither a model preset"),
+    (["--params", "1e9", "--num-processes", "8", "--zeropp"], "--zeropp is not for a dry run"),
+    (["--params", "1e9", "--num-processes", "8", "--fits", "80"], "--fits is not for a dry run"),
 ])
 def test_cli_dry_run_errors(capsys, args, match):
     from hf_zero.cli import main
 
     assert main(["estimate", "--dry-run", *args]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_cli_dry_run_flags_without_dry_run(capsys):
+    from hf_zero.cli import main
+
+    assert main(["estimate", "--params", "1e9", "--num-processes", "8", "--hierarchy", "hpz", "--rank", "3"]) == 2
+    assert "--hierarchy, --rank only apply with --dry-run: add --dry-run or drop them" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name,options,precision", [

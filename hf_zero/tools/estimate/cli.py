@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 from ...config import ZeroConfig
 from ...options import BY_NAME, QUANTIZATION_BITS
 from .activations import ATTENTION_KINDS, activation_report
-from .dry_run_cli import add_dry_run_arguments, run_dry
+from .dry_run_cli import add_dry_run_arguments, misplaced, run_dry
 from .table import table as _table
 from .formulas import DEFAULT_BLOCK_SIZE
 from .plan import (GB, MAX_WORLD, STAGES, ZEROPP_RANKS_PER_HOST, ZEROPP_WORLDS, Planner, check_ranks_per_host,
@@ -79,6 +79,16 @@ def _fmt_comm(d: Dict[str, float]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    wrong = misplaced(args)
+    if wrong:
+        flags, one = ", ".join(wrong), len(wrong) == 1
+        if args.dry_run:
+            print(f"hf-zero estimate: {flags} {'is' if one else 'are'} not for a dry run (settings go in --option "
+                  f"KEY=VALUE): drop {'it' if one else 'them'}", file=sys.stderr)
+        else:
+            print(f"hf-zero estimate: {flags} only {'applies' if one else 'apply'} with --dry-run: add --dry-run or "
+                  f"drop {'it' if one else 'them'}", file=sys.stderr)
+        return 2
     if args.dry_run:
         return run_dry(args)
     if args.zeropp:

@@ -58,6 +58,18 @@ def _configs(args: argparse.Namespace) -> Dict[int, ZeroConfig]:
     return {stage: ZeroConfig(**{**values, "stage": stage}) for stage in stages}
 
 
+def misplaced(args: argparse.Namespace) -> List[str]:
+    """Flags that mean nothing with (or without) --dry-run, named so the caller can say which to drop."""
+    if args.dry_run:
+        given = (("--zeropp", args.zeropp), ("--fits", args.fits is not None),
+                 ("--trainable-fraction", args.trainable_fraction != 1), ("--optimizer-k", args.optimizer_k is not None),
+                 ("--quantized-frozen-weights", args.quantized_frozen_weights))
+    else:
+        given = (("--hierarchy", args.hierarchy != "none"), ("--option", bool(args.option)), ("--rank", args.rank != 0),
+                 ("--gradient-checkpointing", args.gradient_checkpointing))
+    return [flag for flag, present in given if present]
+
+
 def run_dry(args: argparse.Namespace) -> int:
     if args.num_processes is None:
         print("hf-zero estimate: --dry-run needs --num-processes N", file=sys.stderr)
