@@ -7,7 +7,7 @@ import sys
 from typing import Any, Dict, List, Tuple
 
 from ...config import ZeroConfig, ZeroConfigError
-from ...options import HIERARCHICAL
+from ...options import BY_NAME, HIERARCHICAL
 from .dry_run import CANNOT_SEE, dry_run
 from .plan import GB, STAGES
 from .table import table as _table
@@ -31,23 +31,20 @@ def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--dry-run: Transformers' (non-reentrant) activation checkpointing on the layers")
 
 
-def _value(text: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
-
-
 def _configs(args: argparse.Namespace) -> Dict[int, ZeroConfig]:
     values: Dict[str, Any] = {"mixed_precision": args.mixed_precision,
                               "grad_accum_dtype": args.grad_accum_dtype or "fp32"}
     for item in args.option:
         key, sep, text = item.partition("=")
+        key = key.strip()
         if not sep:
             raise ZeroConfigError(f"--option {item!r}: write KEY=VALUE, e.g. --option quantized_weights=int8")
-        values[key.strip()] = _value(text.strip())
+        if key not in BY_NAME or not BY_NAME[key].engine:
+            raise ZeroConfigError(f"--option {key}: no such ZeroConfig setting (docs/configuration.md lists them)")
+        try:  # each option reads its own text, as its hf-zero config flag does
+            values[key] = BY_NAME[key].kind.parse(text.strip(), f"--option {key}")
+        except argparse.ArgumentTypeError as exc:
+            raise ZeroConfigError(str(exc)) from None
     if args.hierarchy != "none":
         values[HIERARCHICAL[args.hierarchy]] = "host"
     stages = STAGES if args.stage is None else (args.stage,)
