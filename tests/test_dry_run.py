@@ -248,7 +248,7 @@ def test_cli_dry_run_table_and_json(capsys):
     (["--model", "tiny"], "needs --num-processes"),
     (["--model", "tiny", "--num-processes", "2", "--option", "stage3"], "KEY=VALUE"),
     (["--model", "tiny", "--num-processes", "2", "--option", "no_such_setting=1"], "no_such_setting"),
-    (["--model", "no/such/config.json", "--num-processes", "2", "--stage", "1"], "neither a model preset"),
+    (["--model", "no/such/config.json", "--num-processes", "2", "--stage", "1"], "nor is it a model preset"),
     (["--params", "1e9", "--num-processes", "8", "--zeropp"], "--zeropp is not for a dry run"),
     (["--params", "1e9", "--num-processes", "8", "--fits", "80"], "--fits is not for a dry run"),
 ])
@@ -300,10 +300,10 @@ def test_dry_run_through_the_engine_paths(name, options, precision):
 def test_hub_shapes_have_the_public_models_parameter_counts(name, params):
     """The model cards' counts (Llama-2-7b: 6,738,415,616; SmolLM2-135M: 134,515,008, tied embeddings)."""
     from hf_zero.integrations.hf_models import causal_lm_from_config, config_from_dict
-    from hf_zero.tools.presets import model_config
+    from hf_zero.tools.presets import preset
 
     with torch.device("meta"):
-        model = causal_lm_from_config(config_from_dict(model_config(name)))
+        model = causal_lm_from_config(config_from_dict(preset(name)))
     assert sum(p.numel() for p in model.parameters()) == params
 
 

@@ -5,11 +5,9 @@ Each is a Transformers config as a dict (`model_type` plus the shape), built fro
 """
 from __future__ import annotations
 
-import json
-import os
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
-__all__ = ["HUB_SHAPES", "LOAD_PRESETS", "PRESETS", "llama_of_size", "model_config"]
+__all__ = ["HUB_SHAPES", "LOAD_PRESETS", "PRESETS", "llama_of_size", "names", "preset"]
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     # GPT-2 small (124M): the shapes of the `gpt2` checkpoint, built from scratch.
@@ -75,17 +73,11 @@ def _per_layer(h: int) -> int:
     return 4 * h * h + 3 * h * _mlp(h) + 2 * h
 
 
-def model_config(name_or_path: str) -> Dict[str, Any]:
-    """A preset's config, or a local config.json (or the folder holding one) as a dict."""
-    presets = {**PRESETS, **LOAD_PRESETS, **HUB_SHAPES}
-    if name_or_path in presets:
-        return dict(presets[name_or_path])
-    path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{name_or_path!r} is neither a model preset ({', '.join(sorted(presets))}) nor a "
-                                f"config.json or a folder holding one")
-    with open(path) as f:
-        config = json.load(f)
-    if "model_type" not in config:
-        raise ValueError(f"{path}: a config.json needs a model_type (e.g. \"gpt2\", \"llama\")")
-    return config
+def preset(name: str) -> Optional[Dict[str, Any]]:
+    """The config of a preset (the bench's, the load bench's or a Hub shape) as a dict, or None."""
+    found = {**PRESETS, **LOAD_PRESETS, **HUB_SHAPES}.get(name)
+    return dict(found) if found is not None else None
+
+
+def names() -> List[str]:
+    return sorted({**PRESETS, **LOAD_PRESETS, **HUB_SHAPES})

@@ -28,7 +28,7 @@ from torch import nn
 
 from ...config import ZeroConfig
 from ...engine.control import simulated_hosts
-from ..presets import llama_of_size, model_config
+from ..presets import llama_of_size, names, preset
 from .formulas import hierarchical_comm_elements, model_state_bytes, recipe
 from .live_bytes import LiveBytes
 from .plan import comm_sizes, plan_bytes, wire_bytes
@@ -42,22 +42,19 @@ CANNOT_SEE = ("kernel workspaces (cuBLAS, attention kernels) and the CUDA contex
               "time: fake tensors do no math and fake collectives send nothing")
 
 
-def _config_dict(model: Any) -> Any:
-    """A Transformers config (or dict) for `model`: a number of parameters (a Llama of that size), a preset name,
-    a config.json or its folder, a dict or a PretrainedConfig."""
-    if isinstance(model, (int, float)):
-        return llama_of_size(float(model))
-    if isinstance(model, str):
-        return model_config(model)
-    return model
-
-
 def _meta_model(model: Any) -> nn.Module:
+    """`model` on meta: a number of parameters (a Llama of that size), a preset name, a config.json or its folder,
+    a dict or a PretrainedConfig."""
     from ...integrations.hf_models import causal_lm_from_config, config_from_dict, config_from_path, quiet
 
     quiet()
-    spec = _config_dict(model)
-    config = config_from_dict(spec) if isinstance(spec, dict) else config_from_path(spec)
+    spec = llama_of_size(float(model)) if isinstance(model, (int, float)) else model
+    if isinstance(spec, str) and preset(spec) is not None:
+        spec = preset(spec)
+    try:
+        config = config_from_dict(spec) if isinstance(spec, dict) else config_from_path(spec)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{exc}; nor is it a model preset ({', '.join(names())})") from None
     with torch.device("meta"):
         return causal_lm_from_config(config)
 
