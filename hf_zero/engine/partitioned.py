@@ -116,10 +116,12 @@ def _not_gathered(func: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any])
 def set_gathered(params: Any, gathered: bool) -> None:
     """Stage 3: `params` (of one flat group, already partitioned) hold their values (plain nn.Parameter) or not
     (PartitionedParameter, which refuses reads)."""
+    params = list(params)
+    if not params or _fake(params[0]):  # a group's parameters are all fake (a dry run) or none is
+        return
     cls = nn.Parameter if gathered else PartitionedParameter
     for p in params:
-        if not _fake(p):
-            p.__class__ = cls
+        p.__class__ = cls
 
 
 def _fake(p: torch.Tensor) -> bool:
