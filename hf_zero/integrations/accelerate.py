@@ -6,8 +6,8 @@ and returns the ZeRO optimizer; `backward`, `no_sync`/`accumulate`, `clip_grad_n
 `save_model` and `free_memory` go through the engine. Mixed precision is the engine's (bf16/fp16 compute copies
 with fp32 master weights), so Accelerate itself runs with mixed_precision="no" (no autocast, no GradScaler).
 
-A checkpoint folder runs no code: `load_without_code` reads one pickled file with torch.load(weights_only=True)
-(numpy's RNG data types allowed), and `load_state` here reads the custom and RNG states through it and passes
+A checkpoint folder runs no code: `load_without_code` (checkpoint/pickles.py) reads one pickled file with
+torch.load(weights_only=True) (numpy's RNG data types allowed), and `load_state` here reads the custom and RNG states through it and passes
 `weights_only` to Accelerate's own reads (RNG, scheduler, sampler, data-loader states), replacing no function of
 torch's or Accelerate's. ZeroTrainer's resume runs the Trainer's readers with `load_without_code` as their
 `torch.load` (integrations/trainer.py).
@@ -32,6 +32,7 @@ from torch import nn
 from ..checkpoint import (CheckpointError, export_pretrained, push_to_hub, read_manifest, resolve_checkpoint,
                           save_checkpoint, stage_checkpoint)
 from ..checkpoint.hosts import raise_if_any_failed, require_on_every_host
+from ..checkpoint.pickles import UntrustedPickleError, load_without_code, untrusted_error
 from ..engine import ZeroEngine, ZeroOptimizer, enable_activation_checkpointing, shard_model
 from ..engine.exit import close_at_exit
 from .plugin import ZeroPlugin
@@ -41,59 +42,6 @@ logger = logging.getLogger("hf_zero")
 
 def _launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-# ------------------------------------------------------------------------------------------ files that run no code
-class UntrustedPickleError(CheckpointError):
-    """A checkpoint file holds a pickle that cannot be loaded without running code from it (torch.load with
-    weights_only=True refuses it). The message names the file and the opt-in that trusts it."""
-
-
-def _numpy_data_types() -> List[Any]:
-    """What the numpy part of an RNG state (np.random.get_state(): a uint32 ndarray) needs besides plain data:
-    numpy's array and dtype classes and its array reconstructor, which builds an empty array of an allowed class
-    (the unpickler admits only allowed classes). Data types only: no function that could do anything else."""
-    import numpy as np
-
-    core = getattr(np, "_core", None) or np.core
-    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype]
-    dtypes = getattr(np, "dtypes", None)  # numpy >= 1.25 pickles a dtype by its class (UInt32DType, ...)
-    if dtypes is not None:
-        allowed += [t for t in vars(dtypes).values() if isinstance(t, type) and issubclass(t, np.dtype)]
-    return allowed
-
-
-def _refusal(exc: BaseException) -> str:
-    """The reason in torch's weights-only error, without its advice to load with weights_only=False or to allow
-    the refused global (which is the payload)."""
-    text = str(exc)
-    m = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.? Please |\n\s*\n|$)", text, re.S)
-    return " ".join((m.group(1) if m else text.strip().splitlines()[0] if text.strip() else type(exc).__name__)
-                    .split())
-
-
-def _untrusted(f: Any, exc: BaseException, opt_in: str) -> UntrustedPickleError:
-    """The refusal of file `f` (a path or an open file), naming it and `opt_in`."""
-    name = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", repr(f))
-    return UntrustedPickleError(
-        f"{name}: refused to unpickle ({_refusal(exc)}). hf_zero reads checkpoint files with "
-        f"torch.load(weights_only=True) so that a folder cannot run code; this file needs full unpickling, "
-        f"which runs whatever code it holds. If you trust whoever wrote the folder, pass {opt_in}; or allow "
-        f"just the classes it needs with torch.serialization.add_safe_globals([...])")
-
-
-def load_without_code(f: Any, opt_in: str, trust: bool = False, map_location: Any = None) -> Any:
-    """One checkpoint file read with no code run from it: `torch.load(weights_only=True)` with numpy's RNG-state
-    data types allowed besides torch's own and whatever the user allowed with
-    `torch.serialization.add_safe_globals`; a refusal raises `UntrustedPickleError` naming the file and `opt_in`.
-    `trust=True` unpickles in full (`weights_only=False`). Nothing outside this call changes."""
-    if trust:
-        return torch.load(f, map_location=map_location, weights_only=False)
-    try:
-        with torch.serialization.safe_globals(_numpy_data_types()):
-            return torch.load(f, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise _untrusted(f, exc, opt_in) from None
 
 
 def _import_before_the_group(module: str) -> None:
@@ -585,7 +533,7 @@ class HfZeroAccelerator(Accelerator):
                     load_without_code(path, opt_in)
                 except UntrustedPickleError as refused:
                     return refused
-        return _untrusted(folder, exc, opt_in)
+        return untrusted_error(folder, exc, opt_in)
 
     def free_memory(self, *objects: Any) -> Any:
         for engine in self.zero_engines:
