@@ -42,9 +42,12 @@ def _numpy_data_types() -> List[Any]:
 
 def _refusal(exc: BaseException) -> str:
     """The reason in torch's weights-only error, without its advice to load with weights_only=False or to allow
-    the refused global (which is the payload)."""
+    the refused global (which is the payload). torch words it two ways: "WeightsUnpickler error: ..." and, for a
+    global of a module it blocks outright (os, posix, subprocess, ...), "Trying to load unsupported GLOBAL ...".
+    """
     text = str(exc)
-    m = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.? Please |\n\s*\n|$)", text, re.S)
+    m = (re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.? Please |\n\s*\n|$)", text, re.S)
+         or re.search(r"(Trying to load unsupported GLOBAL [^\n]+?)\.?(?:\n|$)", text))
     return " ".join((m.group(1) if m else text.strip().splitlines()[0] if text.strip() else type(exc).__name__)
                     .split())
 
