@@ -131,7 +131,10 @@ def dry_run(model: Any, config: ZeroConfig, num_processes: int, *, ranks_per_hos
     seconds: Dict[str, float] = {}
     rss0 = _max_rss()
     t = time.perf_counter()
-    bar = _progress(progress, 3 + 2 * micro_batches)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=3 + 2 * micro_batches, desc="dry run (meta, shard, forward/backward, step)", file=sys.stderr,
+               leave=False, disable=not progress)
     meta = _meta_model(model)
     if gradient_checkpointing:
         meta.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -195,8 +198,7 @@ def _report(engine: Any, config: ZeroConfig, n: int, k: int, rank: int, micro_ba
     kk = engine.topology.group_size if option != "none" else k
     psi, frozen = plan.num_trainable, plan.num_frozen
     formula = model_state_bytes(psi, engine.partition_comm.world_size if option == "hsdp" else n, config.stage,
-                                recipe(config.mixed_precision if config.mixed_precision != "no" else "fp32",
-                                       config.grad_accum_dtype), frozen)
+                                recipe(config.mixed_precision, config.grad_accum_dtype), frozen)
     trainable, frozen_padded, resident = comm_sizes(plan)
     elements = hierarchical_comm_elements(trainable, n, kk, config.stage, option, micro_batches,
                                           resident if config.stage == 3 else 0, frozen_padded)
@@ -226,19 +228,3 @@ def _report(engine: Any, config: ZeroConfig, n: int, k: int, rank: int, micro_ba
 
 def _max_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
-
-
-def _progress(enabled: bool, total: int) -> Any:
-    if not enabled:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="dry run (meta, shard, forward/backward, step)", file=sys.stderr, leave=False)
