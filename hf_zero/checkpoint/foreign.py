@@ -55,19 +55,22 @@ def _record(name: str) -> type:
     return type(name.rsplit(".", 1)[1], (DeepSpeedRecord,), {"deepspeed_class": name})
 
 
-# The DeepSpeed classes its ZeRO checkpoints pickle (0.19: the loss scaler in the optimizer states, the stage enum).
+# The DeepSpeed classes its ZeRO checkpoints pickle (0.19: the loss scaler in the optimizer states, the stage enum,
+# stages 1-2's parameter fragments).
 _DEEPSPEED_TYPES: Tuple[Tuple[Any, str], ...] = (
     (ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
     *((_record(name), name) for name in ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
-                                         "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler")),
+                                         "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                                         # stages 1-2: where each parameter sits in the rank's flat partition
+                                         "deepspeed.utils.tensor_fragment.fragment_address")),
 )
 
 
-def read_deepspeed_file(path: str, trust: bool = False) -> Any:
+def read_deepspeed_file(path: str, trust: bool = False, mmap: bool = False) -> Any:
     """One DeepSpeed checkpoint file (`*_model_states.pt`, `*_optim_states.pt`) with no code run from it; any class
     beyond tensors, plain data and DeepSpeed's records raises UntrustedPickleError naming it and the file."""
     try:
-        return load_without_code(path, TRUST, trust, map_location="cpu", extra=_DEEPSPEED_TYPES)
+        return load_without_code(path, TRUST, trust, map_location="cpu", extra=_DEEPSPEED_TYPES, mmap=mmap)
     except UntrustedPickleError:
         raise
     except (RuntimeError, EOFError, OSError, ValueError) as exc:  # truncated or not a torch file

@@ -63,15 +63,16 @@ def untrusted_error(f: Any, exc: BaseException, opt_in: str) -> UntrustedPickleE
 
 
 def load_without_code(f: Any, opt_in: str, trust: bool = False, map_location: Any = None,
-                      extra: Sequence[Tuple[Any, str]] = ()) -> Any:
+                      extra: Sequence[Tuple[Any, str]] = (), mmap: bool = False) -> Any:
     """One checkpoint file read with no code run from it: `torch.load(weights_only=True)` with numpy's RNG-state
     data types allowed besides torch's own and whatever the user allowed with
     `torch.serialization.add_safe_globals`; a refusal raises `UntrustedPickleError` naming the file and `opt_in`.
-    `trust=True` unpickles in full (`weights_only=False`). Nothing outside this call changes."""
+    `trust=True` unpickles in full (`weights_only=False`). `mmap=True` (a path only) maps the tensors' storage
+    instead of reading it: pages are read when touched. Nothing outside this call changes."""
     if trust:
-        return torch.load(f, map_location=map_location, weights_only=False)
+        return torch.load(f, map_location=map_location, weights_only=False, mmap=mmap)
     try:
         with torch.serialization.safe_globals(_numpy_data_types() + list(extra)):
-            return torch.load(f, map_location=map_location, weights_only=True)
+            return torch.load(f, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         raise untrusted_error(f, exc, opt_in) from None

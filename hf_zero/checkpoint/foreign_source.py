@@ -1,0 +1,129 @@
+"""A checkpoint another system wrote, read the way `sharded._stage` reads hf_zero's own.
+
+`_stage` asks a source for flat ranges of each parameter's values and optimizer state, its per-parameter scalars
+(Adam's step), the persistent buffers and the optimizer's hyper-parameters (`CheckpointSource`'s reading side).
+A foreign format says, per parameter, where its elements lie in its own files (`from_deepspeed.py`,
+`from_dcp.py`); `ForeignSource` turns that into the view `_stage` checks against the model: one unpartitioned
+group per parameter, so that loading at any world size and stage is the interval arithmetic hf_zero's own
+checkpoints already use. Nothing here writes; nothing runs code from the folder (the subclasses read with
+`load_without_code` / the DCP metadata unpickler).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .source import CheckpointError
+
+__all__ = ["ADAM_STATE", "ForeignSource", "ParamInfo"]
+
+ADAM_STATE = ("exp_avg", "exp_avg_sq")  # torch's Adam and AdamW (and DeepSpeed's Adam) per-element state
+ADAM_CLASSES = ("Adam", "AdamW")
+
+
+class ParamInfo:
+    """One parameter of a foreign checkpoint: its name, shape and dtype, whether it was trained (optimizer state
+    and an fp32 master) or frozen, its user parameter group, and the other names it is saved under (ties)."""
+
+    __slots__ = ("name", "shape", "dtype", "trainable", "group", "aliases")
+
+    def __init__(self, name: str, shape: Sequence[int], dtype: str = "float32", trainable: bool = True,
+                 group: int = 0, aliases: Sequence[str] = ()) -> None:
+        self.name, self.shape, self.dtype = name, [int(d) for d in shape], dtype
+        self.trainable, self.group, self.aliases = trainable, group, list(aliases)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class ForeignSource:
+    """The reading side of `CheckpointSource` over another system's checkpoint. Subclasses set `params`,
+    `state_keys`, `scalar_keys`, `param_groups`, `buffer_info`, and implement `_read`, `_scalar`, `_buffer`,
+    `files_for` and `open_file`."""
+
+    kind = "foreign"
+
+    def __init__(self, folder: str, description: str, world_size: int, step: Optional[int],
+                 params: List[ParamInfo], param_groups: List[Dict[str, Any]], state_keys: Sequence[str],
+                 scalar_keys: Sequence[str], buffer_info: List[Dict[str, Any]],
+                 loss_scaler: Optional[Dict[str, float]] = None, stage: Optional[int] = None) -> None:
+        self.dir = folder
+        self.description = description
+        self.world = world_size
+        self.params = params
+        self.state_keys, self.scalar_keys = list(state_keys), list(scalar_keys)
+        self.groups: List[Dict[str, Any]] = []
+        self.where: Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]] = {}
+        self.by_name: Dict[str, ParamInfo] = {}
+        for i, p in enumerate(params):
+            slot = {"name": p.name, "aliases": [p.name, *p.aliases], "shape": p.shape, "dtype": p.dtype,
+                    "offset": 0, "numel": p.numel}
+            group = {"index": i, "unit": None, "dtype": p.dtype, "trainable": p.trainable, "numel": p.numel,
+                     "padded_numel": p.numel, "shard_numel": p.numel,
+                     "master_dtype": "float32" if p.trainable else None, "slots": [slot],
+                     "state_keys": self.state_keys if p.trainable else [],
+                     "scalar_keys": self.scalar_keys if p.trainable else []}
+            self.groups.append(group)
+            for name in slot["aliases"]:
+                self.where[name] = (group, slot)
+                self.by_name[name] = p
+        # what _stage and load_state read from a manifest; JSON data, so the ranks can compare it
+        self.m: Dict[str, Any] = {
+            "format": self.kind, "save_id": f"{self.kind}:{folder}:{step}", "world_size": world_size,
+            "stage": stage, "step": step,
+            "model": {"class": description, "buffers": buffer_info},
+            "optimizer": {"class": None, "classes": list(ADAM_CLASSES) if set(ADAM_STATE) <= set(state_keys)
+                          else None, "state_keys": self.state_keys,
+                          "param_groups": param_groups,
+                          "param_group_of": {p.name: p.group for p in params if p.trainable}},
+            "loss_scaler": loss_scaler,
+        }
+
+    # -------------------------------------------------------------------------------- _stage's interface
+    def read(self, name: str, kind: str, lo: int, hi: int) -> Optional[torch.Tensor]:
+        """Elements [lo, hi) of parameter `name` (kind "values" or "state.<key>"); None if that state is absent."""
+        p = self.by_name[name]
+        if not 0 <= lo <= hi <= p.numel:
+            raise CheckpointError(f"{self.dir}: elements {lo}..{hi} of {name} requested, it has {p.numel}")
+        if kind != "values" and not p.trainable:
+            return None
+        out = self._read(p, kind, lo, hi)
+        if out is not None and out.numel() != hi - lo:
+            raise CheckpointError(f"{self.dir}: {kind} of {name} [{lo}, {hi}) read {out.numel()} elements: the "
+                                  f"checkpoint's partitions do not cover the parameter (damaged or mixed files)")
+        return out
+
+    def scalar(self, name: str, key: str, lo: int = 0, hi: Optional[int] = None) -> Optional[float]:
+        p = self.by_name[name]
+        return self._scalar(p, key) if p.trainable else None
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self._buffer(name)
+
+    def buffers_file(self) -> str:
+        return ""
+
+    def close(self) -> None:
+        """Drop open files."""
+
+    # -------------------------------------------------------------------------------- the formats implement
+    def _read(self, p: ParamInfo, kind: str, lo: int, hi: int) -> Optional[torch.Tensor]:
+        raise NotImplementedError
+
+    def _scalar(self, p: ParamInfo, key: str) -> Optional[float]:
+        raise NotImplementedError
+
+    def _buffer(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def files_for(self, name: str, lo: int, hi: int) -> List[str]:
+        """The files that hold elements [lo, hi) of parameter `name` (opened and checked before any read)."""
+        raise NotImplementedError
+
+    def open_file(self, fname: str) -> Any:
+        raise NotImplementedError
