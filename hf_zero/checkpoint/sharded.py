@@ -32,12 +32,13 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import safetensors.torch as _st  # called as _st.save_file so a test can patch safetensors.torch.save_file
 import torch
 
-from . import hosts
+from . import background, hosts
+from .background import SaveHandle
 from ..engine.state import group_layout, partition, persistent_buffers
 from .layout import model_config_texts, model_layout
 from .publish import check_target, clean_leftovers, fsync_path, fsync_tree, is_checkpoint, remove, resolve, swap, unswap
@@ -81,13 +82,33 @@ def _exchange(comm: "Comm", obj: Any) -> List[Any]:
 
 
 # ---------------------------------------------------------------------------------------------- save
-def _partition_tensors(state: "ShardState", groups: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+def _partition_tensors(state: "ShardState", groups: List[Dict[str, Any]],
+                       copy: bool = False) -> Dict[str, torch.Tensor]:
     """This rank's partition: per group the master (trainable) or compute (frozen) range and each optimizer
     state over it; per-parameter scalars (Adam's step) as one slot per group slot (NaN where the partition holds
-    none of the parameter)."""
+    none of the parameter).
+
+    `copy`: every tensor is a host copy the engine's later steps cannot change (an asynchronous save writes it
+    after the training goes on); copies from a GPU go to pinned memory without blocking, and one stream sync
+    per device waits for them. Without it a CPU master range is returned as the engine's own tensor."""
     out: Dict[str, torch.Tensor] = {}
+    devices = set()
+
+    def host(shape: Any, dtype: torch.dtype, src: torch.Tensor, zeros: bool = False) -> torch.Tensor:
+        pinned = copy and src.is_cuda
+        if pinned:
+            devices.add(src.device)
+        return (torch.zeros if zeros else torch.empty)(shape, dtype=dtype, pin_memory=pinned)
+
+    def fill(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src.detach().reshape(-1), non_blocking=copy and src.is_cuda)
+
     for g in state.groups:
-        out[f"g{g.index}.values"] = g.values.detach().to("cpu").contiguous()
+        if copy:
+            out[f"g{g.index}.values"] = t = host(g.values.shape, g.values.dtype, g.values)
+            fill(t, g.values)
+        else:
+            out[f"g{g.index}.values"] = g.values.detach().to("cpu").contiguous()
     for seg in state.segments:
         slots = [s["name"] for s in groups[seg.group]["slots"]]
         for key, value in seg.state.items():
@@ -99,8 +120,10 @@ def _partition_tensors(state: "ShardState", groups: List[Dict[str, Any]]) -> Dic
             else:
                 name = f"g{seg.group}.state.{key}"
                 if name not in out:
-                    out[name] = torch.zeros(groups[seg.group]["shard_numel"], dtype=value.dtype)
-                out[name][seg.start:seg.end] = value.detach().to("cpu").reshape(-1)
+                    out[name] = host(groups[seg.group]["shard_numel"], value.dtype, value, zeros=True)
+                fill(out[name][seg.start:seg.end], value)
+    for device in devices:  # the copies above were queued on the device's stream: done before training goes on
+        torch.cuda.current_stream(device).synchronize()
     return out
 
 
@@ -111,7 +134,7 @@ def _buffer_bytes(buffers: Dict[str, torch.Tensor]) -> bytes:
 
 
 def _manifest(engine: "ZeroEngine", state: "ShardState", step: Optional[int], layout: Dict[str, Any],
-              partitions: int, save_id: str) -> Dict[str, Any]:
+              partitions: int, save_id: Optional[str]) -> Dict[str, Any]:
     return {
         "format": "hf_zero-sharded",
         "format_version": FORMAT_VERSION,
@@ -179,6 +202,38 @@ def _record_state_keys(manifest: Dict[str, Any], names: List[str]) -> None:
         g["scalar_keys"].sort()
 
 
+@dataclasses.dataclass
+class _Snapshot:
+    """What one rank's save writes, taken from the engine when save_checkpoint is called: the partition file's
+    tensors and, on rank 0, the manifest (its save_id and files filled in later), the config files and the
+    buffers' file. `error`: what taking it raised (reported to every rank at the save's first agreement)."""
+
+    partition: int
+    partitions: int
+    tensors: Optional[Dict[str, torch.Tensor]] = None
+    meta: Optional[Tuple[Dict[str, Any], Dict[str, bytes], bytes]] = None
+    error: Optional[BaseException] = None
+
+
+def _snapshot(engine: "ZeroEngine", step: Optional[int], copy: bool) -> _Snapshot:
+    """This rank's part of a save, from the engine. `copy`: host copies that outlive the call (an asynchronous
+    save); otherwise the CPU master ranges stay the engine's own tensors until the save writes them."""
+    part, parts = partition(engine)
+    snap = _Snapshot(part, parts)
+    try:
+        state = engine.shard_state()
+        groups = group_layout(engine)
+        snap.tensors = _partition_tensors(state, groups, copy)
+        if engine.comm.rank == 0:  # built once, so every disk gets the same bytes
+            layout, buffers = model_layout(engine)
+            buf = _buffer_bytes(buffers)
+            manifest = _manifest(engine, state, step, layout, parts, None)
+            snap.meta = (manifest, model_config_texts(engine.model, layout["dtype"]), buf)
+    except Exception as exc:
+        snap.tensors, snap.error = None, exc
+    return snap
+
+
 class _Save:
     """One rank's part of a save_checkpoint call. Each step runs locally and ends in an exchange of every rank's
     result (so a failure anywhere stops the save everywhere, before any rename):
@@ -193,20 +248,20 @@ class _Save:
        rename failed; after a successful save they remove what crashed saves of the same path left behind.
     """
 
-    def __init__(self, engine: "ZeroEngine", directory: Path, step: Optional[int], overwrite: bool) -> None:
-        self.engine, self.dir, self.step, self.overwrite = engine, directory, step, overwrite
-        self.comm = comm = engine.comm
+    def __init__(self, snapshot: _Snapshot, comm: "Comm", directory: Path, overwrite: bool) -> None:
+        # touches no engine: an asynchronous save runs it on a thread of its own while the training goes on
+        self.snap, self.dir, self.overwrite = snapshot, directory, overwrite
+        self.comm = comm
         self.me = _whoami(comm)
-        self.partition, self.partitions = partition(engine)
+        self.partition, self.partitions = snapshot.partition, snapshot.partitions
         self.save_id = comm.control.share(uuid.uuid4().hex[:12])
         # the same name on every disk; each rank makes it beside its own `directory` (paths may differ per host)
         self.tmp = directory.parent / f"{directory.name}.tmp-{self.save_id}"
         self.leader = False
         self.payload: Optional[Tuple[str, Dict[str, bytes], bytes]] = None
-        self.state = engine.shard_state()
 
     def run(self) -> Path:
-        self._round("checking the path", lambda: check_target(self.dir, is_checkpoint, "checkpoint", self.overwrite))
+        self._round("checking the path", self._check)
         ranks = self._round("creating the temporary folder", self._mark)
         disks = self._find_disks()
         mine = next(d for d in disks if self.comm.rank in d)
@@ -240,6 +295,11 @@ class _Save:
                               f"renamed into place, so {self.dir} holds the previous checkpoint (if any) unchanged "
                               f"on every host")
 
+    def _check(self) -> None:
+        if self.snap.error is not None:
+            raise self.snap.error
+        check_target(self.dir, is_checkpoint, "checkpoint", self.overwrite)
+
     def _mark(self) -> Tuple[str, int, int]:
         self.tmp.mkdir(parents=True, exist_ok=True)
         hosts.mark(self.tmp, self.comm.rank)
@@ -267,7 +327,7 @@ class _Save:
             return None
         fname = rank_file(self.partition, self.partitions)
         path = self.tmp / fname
-        tensors = _partition_tensors(self.state, group_layout(self.engine))
+        tensors, self.snap.tensors = self.snap.tensors, None  # freed once written
         _st.save_file(tensors, str(path), metadata={"format": "hf_zero-sharded"})
         fsync_path(path)
         keys = list(tensors)
@@ -278,11 +338,10 @@ class _Save:
         """Rank 0: the manifest, config files and buffers every disk gets (built once, so they are identical)."""
         if self.comm.rank != 0:
             return
-        layout, buffers = model_layout(self.engine)
-        buf = _buffer_bytes(buffers)
-        manifest = _manifest(self.engine, self.state, self.step, layout, self.partitions, self.save_id)
+        manifest, configs, buf = self.snap.meta
+        manifest["save_id"] = self.save_id
         _record_files(manifest, ranks, shards, disks, buf)
-        self.payload = (json.dumps(manifest, indent=1), model_config_texts(self.engine.model, layout["dtype"]), buf)
+        self.payload = (json.dumps(manifest, indent=1), configs, buf)
 
     def _share(self, payload: Any) -> Any:
         """Rank 0's payload on every rank (a broadcast: an all-gather would pad every rank's part to its size)."""
@@ -325,9 +384,10 @@ class _Save:
 
 
 def save_checkpoint(engine: "ZeroEngine", directory: os.PathLike, step: Optional[int] = None,
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, async_save: bool = False) -> Union[Path, SaveHandle]:
     """Collective. Write the engine's training state to `directory`: a file per partition, `manifest.json`,
-    `buffers.safetensors` and the model's config files.
+    `buffers.safetensors` and the model's config files. Returns `directory` (a Path), or with `async_save=True` a
+    `SaveHandle`.
 
     `directory` may be on a disk every rank shares or on each host's own disk (the same path on every host, or
     even a different path per rank): the ranks find out which of them share a disk, and every disk gets the
@@ -339,9 +399,22 @@ def save_checkpoint(engine: "ZeroEngine", directory: os.PathLike, step: Optional
     aside).
 
     `directory` must be missing, an empty folder or a previous checkpoint; a regular file or a folder of other
-    files raises CheckpointError and is left untouched, unless `overwrite=True`."""
+    files raises CheckpointError and is left untouched, unless `overwrite=True`.
+
+    `async_save=True`: the call returns once this rank's state is copied to host memory (pinned, from a GPU);
+    the files, the agreement and the rename happen on a background thread (background.py) while training goes
+    on, and write exactly the files a synchronous save of that state writes. The next save, a load,
+    `engine.wait_for_save()`, `engine.close()` or the handle's `result()` wait for it, and the first of them
+    raises its CheckpointError if it failed (at process exit it is logged). The first asynchronous save of an
+    engine also makes the gloo group such saves talk over (collective)."""
+    directory = Path(directory)
+    background.wait_for_save(engine)  # one save at a time; a failed one is reported before anything else
     engine.wait()  # no reduction of the engine's may still be in flight beside the checkpoint's own collectives
-    return _Save(engine, Path(directory), step, overwrite).run()
+    if not async_save:
+        return _Save(_snapshot(engine, step, copy=False), engine.comm, directory, overwrite).run()
+    comm = background.comm_for(engine)
+    snap = _snapshot(engine, step, copy=True)
+    return background.start(engine, directory, lambda: _Save(snap, comm, directory, overwrite).run())
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -464,6 +537,7 @@ def stage_checkpoint(engine: "ZeroEngine", directory: os.PathLike,
     `ShardState` (fresh tensors; the engine does not change), and agree with the other ranks: an error on any rank
     raises CheckpointError on every rank. Returns (manifest, staged); `engine.load_shard_state(staged)` applies it.
     Lets a caller that restores more (schedulers, RNG) check everything before changing anything."""
+    background.wait_for_save(engine)  # the folder may be the one a background save is writing
     comm = engine.comm
     directory = resolve(directory)  # a save killed between its two renames left the previous one aside
     error, failure, manifest, staged = None, None, None, None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -103,13 +104,22 @@ class ZeroEngine:
         if self.gatherer is not None:
             self.gatherer.wait()
 
+    def wait_for_save(self) -> Optional[Path]:
+        """Wait for the checkpoint save this engine runs in the background (`save_checkpoint(...,
+        async_save=True)`), if any: its folder, or CheckpointError if it failed (raised once)."""
+        from ..checkpoint.background import wait_for_save
+        return wait_for_save(self)
+
     def close(self) -> None:
-        """Wait for the engine's collectives and remove its hooks (the model keeps its current, possibly sharded,
-        storage)."""
-        self.wait()
-        self.reducer.remove_hooks()
-        if self.gatherer is not None:
-            self.gatherer.remove_hooks()
+        """Wait for a background checkpoint save (raising its error) and the engine's collectives, and remove its
+        hooks (the model keeps its current, possibly sharded, storage)."""
+        try:
+            self.wait_for_save()
+        finally:
+            self.wait()
+            self.reducer.remove_hooks()
+            if self.gatherer is not None:
+                self.gatherer.remove_hooks()
 
     # ------------------------------------------------------------------ construction
     @staticmethod

@@ -281,16 +281,26 @@ class HfZeroAccelerator(Accelerator):
             self._models, self._optimizers = saved
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
-                   **save_model_func_kwargs: Any) -> str:
+                   async_save: Optional[bool] = None, **save_model_func_kwargs: Any) -> str:
         """Accelerate's save_state (consolidated weights, schedulers, RNG, data loaders) plus every rank's optimizer
         and master-weight shard in `zero_shards/` (Accelerate alone would keep only the main process's).
 
         On disks the hosts do not share, every host gets its ranks' shards (see `save_checkpoint`); Accelerate
         writes the scheduler, sampler and custom states on the main process only unless the accelerator has
         `project_config=ProjectConfiguration(save_on_each_node=True)` (then every host's local main process does),
-        and resuming on another host needs them. The consolidated weights stay on the main process's host."""
+        and resuming on another host needs them. The consolidated weights stay on the main process's host.
+
+        `async_save` (default: the ZeroPlugin's `async_save`): `zero_shards/` is written in the background
+        (`save_checkpoint(async_save=True)`) and the call returns once each rank's shard is in host memory;
+        Accelerate's own files are written before it returns, as without. `zero_shards/` appears, complete, when
+        the save finishes; the next save_state, a load_state, `accelerator.wait_for_save()` and the end of the
+        process wait for it (the first of them raises its error)."""
         if not self.zero_engines:
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        if async_save is None:
+            async_save = self.zero_plugin.async_save
+        # a save in flight finishes first: Accelerate's save_state may rotate (delete) old checkpoint folders
+        self.zero_engine.wait_for_save()
         handle = self.register_save_state_pre_hook(self._weights_on_main_process_only)
         try:
             with self._without(models=False, optimizers=True):
@@ -298,9 +308,18 @@ class HfZeroAccelerator(Accelerator):
         finally:
             handle.remove()
         shards = os.path.join(output_dir, "zero_shards")
-        save_checkpoint(self.zero_engine, shards, step=self.step // max(1, self.gradient_accumulation_steps))
-        self._warn_if_node_local(shards)
+        saved = save_checkpoint(self.zero_engine, shards, step=self.step // max(1, self.gradient_accumulation_steps),
+                                async_save=async_save)
+        if async_save:
+            saved.add_done_callback(self._warn_if_node_local)  # the manifest exists once the save is done
+        else:
+            self._warn_if_node_local(shards)
         return output_dir
+
+    def wait_for_save(self) -> None:
+        """Wait for a `save_state(async_save=True)` still writing its shards; CheckpointError if it failed."""
+        for engine in self.zero_engines:
+            engine.wait_for_save()
 
     def _weights_on_main_process_only(self, models: List[nn.Module], weights: List[Dict[str, Any]],
                                       output_dir: str) -> None:

@@ -99,12 +99,55 @@ class ZeroTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         step = self.state.global_step if self.state is not None else None
         shards = os.path.join(output_dir, SHARDS_DIR)
-        save_checkpoint(self.zero_engine, shards, step=step)
+        async_save = self.accelerator.zero_plugin.async_save
+        saved = save_checkpoint(self.zero_engine, shards, step=step, async_save=async_save)
         if self.args.should_save and self.lr_scheduler is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
-        self._warn_if_node_local(shards)
+        if async_save:
+            saved.add_done_callback(self._warn_if_node_local)  # the manifest exists once the save is done
+        else:
+            self._warn_if_node_local(shards)
+
+    # ------------------------------------------------------------------ background saves (ZeroPlugin(async_save=True))
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """The Trainer's checkpoint; with async_save its shards are written in the background, so the rotation
+        of old checkpoints (save_total_limit) waits until they are complete: deleting the previous checkpoint
+        while the new one is unfinished would leave nothing to resume from after a crash."""
+        self._finish_pending_save()
+        save = super()._save_checkpoint
+        if not self.accelerator.zero_plugin.async_save:
+            return save(model, trial)
+        if "rotate_checkpoints" not in getattr(getattr(save, "__func__", None), "__code__", ()).co_names:
+            save(model, trial)  # a subclass's own _save_checkpoint: rotation cannot be deferred, so wait here
+            return self._finish_pending_save()
+        real = save.__func__.__globals__["rotate_checkpoints"]
+
+        def rotate_later(*args: Any, **kwargs: Any) -> None:
+            self._deferred_rotation = functools.partial(real, *args, **kwargs)
+
+        # the rotation runs at the next checkpoint or the end of training, after this one's shards are complete
+        _with_globals(save, rotate_checkpoints=rotate_later)(model, trial)
+
+    def _finish_pending_save(self) -> None:
+        """Wait for checkpoint shards still being written (CheckpointError if that failed, on every rank), then
+        run the rotation of old checkpoints the Trainer asked for meanwhile (only after a successful save)."""
+        rotate, self._deferred_rotation = getattr(self, "_deferred_rotation", None), None
+        if self.accelerator.zero_engines:
+            self.zero_engine.wait_for_save()
+        if rotate is not None:
+            rotate()
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        self._finish_pending_save()  # push the checkpoint once its shards are there
+        return super()._push_from_checkpoint(checkpoint_folder)
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        """The end of training waits for the last checkpoint's shards (before the Trainer loads the best model or
+        deletes checkpoints)."""
+        self._finish_pending_save()
+        return super()._finalize_training(*args, **kwargs)
 
     def _warn_if_node_local(self, shards: str) -> None:
         if self.args.save_on_each_node or self.args.process_index != 0 or getattr(self, "_warned_node_local", False):

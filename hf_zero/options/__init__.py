@@ -250,6 +250,11 @@ OPTIONS: Tuple[Option, ...] = (
            'that matches no unit is an error when the model is sharded.',
            requires=(Requirement("stage", (3,), "{name} sets stage 3's reshard policy per unit; got "
                                  "stage={other_value}."),)),
+    Option("async_save", False, Flag(),
+           "Checkpoints (HfZeroAccelerator.save_state, ZeroTrainer's checkpoint-N) save in the background: the call "
+           "returns once each rank's shard is copied to host memory, and the shard files are written and renamed "
+           "into place on a thread while training goes on (save_checkpoint(async_save=True)); the next save, a load "
+           "and the end of training wait for it. save_state(async_save=...) overrides it per call.", engine=False),
 )
 
 BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
