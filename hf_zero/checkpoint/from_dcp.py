@@ -35,7 +35,7 @@ from torch import nn
 
 from .foreign import TRUST, ForeignCheckpoint, inspect_foreign, read_dcp_metadata
 from .foreign_source import ADAM_STATE, ForeignSource, ParamInfo
-from .pickles import UntrustedPickleError, load_without_code, untrusted_error
+from .pickles import UntrustedPickleError, _refusal, load_without_code
 from .source import CheckpointError
 
 __all__ = ["ACCELERATE_MODEL_DIR", "ACCELERATE_OPTIMIZER_DIR", "DcpSource", "inspect_fsdp2_output",
@@ -244,7 +244,8 @@ class DcpSource(ForeignSource):
                 params.append(self._param(name, [n for n in names if n != name], name in trained))
                 taken.update(names)
         else:
-            for name in trained:
+            order = {n: i for i, n in enumerate(model)}
+            for name in sorted(trained, key=order.__getitem__):  # the model's order, not the optimizer's
                 params.append(self._param(name, [], True))
                 taken.add(name)
             for name in (n for n in model if n not in taken):
@@ -255,6 +256,7 @@ class DcpSource(ForeignSource):
                 elif len(self._chunks.get(prefix + name, ())) > 1:  # FSDP2 shards parameters, not buffers
                     params.append(self._param(name, [], False))
                     taken.add(name)
+            params.sort(key=lambda p: order[p.name])
         buffers = [{"name": n, "aliases": [n], "shape": self._size(prefix + n),
                     "dtype": str(self._entries[prefix + n][1].properties.dtype).replace("torch.", "")}
                    for n in model if n not in taken]
@@ -352,6 +354,7 @@ class DcpSource(ForeignSource):
         if self._cache[0] == key:
             return self._cache[1]
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
         self._cache = (None, None)  # at most one parameter's tensor held
@@ -364,11 +367,15 @@ class DcpSource(ForeignSource):
             with warnings.catch_warnings():  # no_dist is meant: each rank reads its own parameters
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(state, storage_reader=part.reader, planner=DefaultLoadPlanner(), no_dist=True)
-        except Exception as exc:
+        except (Exception, CheckpointException) as caught:  # DCP wraps a reader's error (a BaseException)
+            failures = list(caught.failures.values()) if isinstance(caught, CheckpointException) else []
+            exc = failures[0][0] if failures else caught
             where = ", ".join(os.path.join(self.folder, f) for f in files)
             text = str(exc)
             if isinstance(exc, pickle.UnpicklingError) or "Weights only load failed" in text:
-                raise untrusted_error(where, exc, TRUST) from None
+                raise UntrustedPickleError(  # DCP writes a tensor as weights-only data: trusting would not help
+                    f"{where}: refused to unpickle {key} ({_refusal(exc)}): DCP never writes a tensor that needs "
+                    f"more than torch.load(weights_only=True); a damaged or hostile data file") from None
             raise CheckpointError(f"{where}: reading {key} failed ({type(exc).__name__}: "
                                   f"{text.strip().splitlines()[0] if text.strip() else ''}): damaged data file?") \
                 from None
