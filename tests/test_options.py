@@ -98,7 +98,8 @@ def test_zero_plugin_fields_and_yaml_keys_are_the_plugin_declarations(tmp_path):
                    debug_collectives=True, initial_loss_scale=1024.0, loss_scale_growth_interval=10,
                    loss_scale_factor=4.0, min_loss_scale=0.5, quantized_weights="int8", quantized_gradients="int4",
                    quantized_frozen_weights="int8", quantization_block_size=64, quantized_error_feedback=True,
-                   reshard_after_forward=False, reshard_after_forward_modules={"GPT2Block": True, "model.layers.0": False})
+                   reshard_after_forward=False, reshard_after_forward_modules={"GPT2Block": True, "model.layers.0": False},
+                   async_save=True)
     assert set(changed) == {o.name for o in PLUGIN} - {"shard_group_size"}  # excluded by hpz_partition_size
     plugin = ZeroPlugin(**changed)
     plugin.to_yaml(tmp_path / "hf_zero.yaml")
