@@ -139,8 +139,13 @@ class DcpSource(ForeignSource):
         self._needed: Dict[str, int] = {}  # file -> bytes its entries need
         self._checked: Dict[str, str] = {}
         self._cache: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
+        self._stored: Dict[str, List[Any]] = {}  # key -> its storage records (_StorageInfo)
         for part in self.parts:
-            self._index(part)
+            try:
+                self._index(part)
+            except (TypeError, AttributeError, ValueError) as exc:  # a metadata of the right classes, wrong shape
+                raise CheckpointError(f"{part.folder}/.metadata: not a DCP checkpoint's metadata "
+                                      f"({type(exc).__name__}: {exc})") from None
         files = sorted(self._needed)
         self.ranks = _ranks(files)
         params, groups, state_keys, scalar_keys, buffers = self._layout(parameters)
@@ -172,7 +177,10 @@ class DcpSource(ForeignSource):
             self._entries[key] = (part, md)
         for index, info in part.meta.storage_data.items():
             fname = part.file(info.relative_path)
+            if int(info.offset) < 0 or int(info.length) < 0:
+                raise ValueError(f"{index.fqn} stored at offset {info.offset}, length {info.length}")
             self._needed[fname] = max(self._needed.get(fname, 0), int(info.offset) + int(info.length))
+            self._stored.setdefault(index.fqn, []).append(info)
             entry = self._entries.get(index.fqn)
             if entry is None:
                 raise CheckpointError(f"{part.folder}/.metadata: data of {index.fqn!r} is recorded, the key is not")
@@ -362,6 +370,7 @@ class DcpSource(ForeignSource):
         for fname in files:
             self.open_file(fname)
         part, md = self._entries[key]
+        self._check_chunks(key, md)
         state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)}
         try:
             with warnings.catch_warnings():  # no_dist is meant: each rank reads its own parameters
@@ -382,10 +391,35 @@ class DcpSource(ForeignSource):
         self._cache = (key, state[key])
         return state[key]
 
+    def _check_chunks(self, key: str, md: Any) -> None:
+        """The chunks tile the tensor and their data is at least their size, before any memory is taken for it
+        (DCP would leave a gap's elements as torch.empty found them)."""
+        size = [int(d) for d in md.size]
+        numel = 1
+        for d in size:
+            numel *= d
+        stored = sum(int(i.length) for i in self._stored.get(key, ()))
+        where = f"{os.path.join(self.folder, self._entries[key][0].sub, '.metadata')}"
+        if numel * md.properties.dtype.itemsize > stored:
+            raise CheckpointError(f"{where}: {key} is {size} ({md.properties.dtype}) but its data files hold "
+                                  f"{stored} bytes of it: damaged metadata")
+        covered, total = torch.zeros(size, dtype=torch.int8), 0
+        for c in md.chunks:
+            offsets, sizes = [int(o) for o in c.offsets], [int(n) for n in c.sizes]
+            if len(offsets) != len(size) or any(o < 0 or o + n > d for o, n, d in zip(offsets, sizes, size)):
+                raise CheckpointError(f"{where}: a chunk of {key} at {offsets} of {sizes} lies outside its {size}")
+            covered[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = 1
+            total += covered[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].numel()
+        if total != numel or not bool(covered.all()):  # every element, none twice
+            raise CheckpointError(f"{where}: the chunks of {key} do not cover it exactly once: damaged metadata")
+
     def _bytes(self, key: str) -> Any:
         """A bytes entry (a torch.save'd value), read with no code run from it."""
         part, _ = self._entries[key]
-        index, info = next((i, s) for i, s in part.meta.storage_data.items() if i.fqn == key)
+        infos = self._stored.get(key)
+        if not infos:
+            raise CheckpointError(f"{part.folder}/.metadata records {key} but no data for it: damaged metadata")
+        info = infos[0]
         fname = part.file(info.relative_path)
         path = self.open_file(fname)
         with open(path, "rb") as f:
