@@ -160,7 +160,7 @@ class DcpSource(ForeignSource):
         what = "FSDP2 (DCP) checkpoint" if sharded else "torch.distributed.checkpoint (DCP) checkpoint"
         self.summary = f"{what}, {self.ranks} rank{'s' if self.ranks != 1 else ''}" + \
             (f", step {step}" if step is not None else "")
-        super().__init__(self.folder, f"a {what}", self.ranks, step, params, groups, state_keys, scalar_keys,
+        super().__init__(self.folder, f"{'an' if sharded else 'a'} {what}", self.ranks, step, params, groups, state_keys, scalar_keys,
                          buffers)
 
     def describe(self) -> str:
