@@ -1,4 +1,4 @@
-"""hf-zero: the command line (bench, config, estimate, consolidate, push)."""
+"""hf-zero: the command line (bench, config, estimate, consolidate, convert, push)."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +30,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     checkpoint_cli.add_consolidate_arguments(sub.add_parser(
         "consolidate", help="write the save_pretrained layout from a sharded checkpoint (offline, bounded memory)"))
+    checkpoint_cli.add_convert_arguments(sub.add_parser(
+        "convert", help="turn a DeepSpeed ZeRO or DCP (FSDP2) checkpoint into an hf_zero one, or an hf_zero one into "
+                        "DCP (--to dcp); offline, streaming"))
     checkpoint_cli.add_push_arguments(sub.add_parser("push", help="upload an exported folder to the Hugging Face Hub"))
     from .tools.estimate import cli as estimate
 
@@ -41,6 +44,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return checkpoint_cli.run_consolidate(args)
     if args.command == "push":
         return checkpoint_cli.run_push(args)
+    if args.command == "convert":
+        return checkpoint_cli.run_convert(args)
     if args.command == "bench":
         from .tools.bench.cli import run
 

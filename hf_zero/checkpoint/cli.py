@@ -1,4 +1,4 @@
-"""`hf-zero consolidate` and `hf-zero push`."""
+"""`hf-zero consolidate`, `hf-zero convert` and `hf-zero push`."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ def add_consolidate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoints", nargs="+", metavar="checkpoint",
                         help="a sharded checkpoint folder (hf_zero.checkpoint.save_checkpoint), or one per host when "
                              "the hosts saved to disks of their own (each rank file is read from the folder that "
-                             "holds it)")
+                             "holds it); or a DeepSpeed ZeRO or DCP (FSDP2) checkpoint folder")
     parser.add_argument("out_dir", help="where to write the save_pretrained layout: a new or empty folder, or an "
                                         "earlier export (replaced atomically)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest output file, as save_pretrained's (default 5GB)")
@@ -22,6 +22,14 @@ def add_consolidate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace out_dir even if it is a file or a folder that is not an earlier export (a model folder) "
                              "(without it such a path is refused and left untouched)")
+    _add_trust(parser)
+
+
+def _add_trust(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trust-pickles", action="store_true",
+                        help="a DeepSpeed or DCP folder: unpickle its files in full, which runs whatever code they "
+                             "hold (default: read them with no code run; a file that needs more is refused, naming "
+                             "the class)")
 
 
 def run_consolidate(args: argparse.Namespace) -> int:
@@ -33,9 +41,47 @@ def run_consolidate(args: argparse.Namespace) -> int:
         src = args.checkpoints[0] if len(args.checkpoints) == 1 else args.checkpoints
         out = export_pretrained(src, args.out_dir, model_config=args.config, tokenizer=args.tokenizer,
                                 max_shard_size=size, dtype=args.dtype, verify=not args.no_verify,
-                                overwrite=args.overwrite)
+                                overwrite=args.overwrite, trust=args.trust_pickles)
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         print(f"hf-zero consolidate: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="the checkpoint to convert: a DeepSpeed ZeRO folder (a `latest` file or a "
+                                    "global_stepN/ folder, as Accelerate's save_state and the Trainer write it) or a "
+                                    "DCP folder (.metadata); with --to dcp, an hf_zero sharded checkpoint")
+    parser.add_argument("dst", help="where to write it: a new or empty folder, or an earlier checkpoint of the same "
+                                    "kind (replaced atomically)")
+    parser.add_argument("--to", choices=["hf_zero", "dcp"], default="hf_zero",
+                        help="hf_zero (default): an hf_zero sharded checkpoint that load_state / load_checkpoint "
+                             "reshard at any world size and stage; dcp: a torch.distributed.checkpoint folder that "
+                             "FSDP2 and Accelerate load")
+    parser.add_argument("--layout", choices=["torch", "accelerate"], default="torch",
+                        help="--to dcp: torch (default), one DCP folder of {model, optim} as torchtitan writes and "
+                             "dcp.load reads; accelerate, Accelerate's FSDP2 save_state folders "
+                             "(pytorch_model_fsdp_0/, optimizer_0/) that its load_state reads")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace dst even if it is a file or a folder of something else (--to hf_zero)")
+    _add_trust(parser)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from .source import CheckpointError
+
+    try:
+        if args.to == "dcp":
+            from .to_dcp import export_dcp
+
+            out = export_dcp(args.src, args.dst, layout=args.layout)
+        else:
+            from .convert import convert_checkpoint
+
+            out = convert_checkpoint(args.src, args.dst, trust=args.trust_pickles, overwrite=args.overwrite)
+    except (CheckpointError, FileNotFoundError, ValueError) as exc:
+        print(f"hf-zero convert: error: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {out}")
     return 0

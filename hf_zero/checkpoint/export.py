@@ -33,7 +33,9 @@ import torch
 from ..engine.state import full_group_values, group_layout
 from .layout import config_texts, dtype_name, model_config_texts, model_layout
 from .publish import check_target, fsync_tree, is_export, resolve, swap_into_place
-from .source import CheckpointError, CheckpointSource, read_manifests
+from .foreign_source import ForeignSource
+from .open_foreign import open_foreign
+from .source import MANIFEST, CheckpointError, CheckpointSource, read_manifests
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
@@ -327,14 +329,17 @@ def export_pretrained(src: Union["ZeroEngine", str, os.PathLike, Sequence[Union[
                       out_dir: Union[str, os.PathLike],
                       model_config: Any = None, tokenizer: Any = None, max_shard_size: Union[int, str] = "5GB",
                       dtype: Union[None, str, torch.dtype] = None, progress: bool = True,
-                      verify: bool = True, overwrite: bool = False) -> Path:
+                      verify: bool = True, overwrite: bool = False, trust: bool = False) -> Path:
     """Write the Hugging Face `save_pretrained` layout of the model to `out_dir`.
 
     Args:
         src: a `ZeroEngine` (collective: call on every rank; rank 0 writes) or a sharded checkpoint folder
             written by `save_checkpoint(engine, dir)` (offline: no process group, no model code), or a list of
             such folders: one per host when the hosts saved to disks of their own (each file is read from the
-            first folder that has it; a file in none of them is an error naming it).
+            first folder that has it; a file in none of them is an error naming it). Also a checkpoint another
+            system wrote: a DeepSpeed ZeRO folder or a torch.distributed.checkpoint (FSDP2) folder, read with no
+            code run from it (checkpoint/open_foreign.py); its config.json is taken from the folder or the one
+            above it (the Trainer's checkpoint-N), else give `model_config`.
         out_dir: the output folder: missing, empty, or an earlier export (a model folder in save_pretrained's
             layout), which is replaced atomically
             (files there that an export does not write are kept, earlier weight files are not). A regular file or
@@ -347,6 +352,7 @@ def export_pretrained(src: Union["ZeroEngine", str, os.PathLike, Sequence[Union[
         progress: a tqdm bar over the output files (on the writing rank).
         verify: check the rank files against the manifest's SHA-256 before reading them (offline).
         overwrite: replace `out_dir` even if it is a file or a folder that is not an earlier export.
+        trust: unpickle a foreign folder's files in full (runs whatever code they hold; only for trusted folders).
     Returns:
         `out_dir` as a Path (on every rank).
     """
@@ -364,29 +370,39 @@ def export_pretrained(src: Union["ZeroEngine", str, os.PathLike, Sequence[Union[
         raise TypeError(f"src must be a ZeroEngine, a checkpoint folder or a list of checkpoint folders, got "
                         f"{type(src).__name__}")
     check_target(out_dir, is_export, "export", overwrite)
-    return _export_dir(folders, out_dir, model_config, tokenizer, max_shard_size, dtype, progress, verify)
+    return _export_dir(folders, out_dir, model_config, tokenizer, max_shard_size, dtype, progress, verify, trust)
 
 
 def _export_dir(folders: List[Path], out_dir: Path, model_config, tokenizer, max_shard_size, dtype, progress,
-                verify) -> Path:
+                verify, trust: bool = False) -> Path:
     folders = [resolve(f) for f in folders]  # a save killed between its two renames left the previous one aside
-    manifest = read_manifests(folders)
     ckpt = folders[0]
-    model = manifest.get("model")
-    if model is None:
-        raise CheckpointError(f"{ckpt} was saved by an hf_zero without the model's state-dict layout (checkpoint "
-                              f"format v{manifest.get('format_version')}): load it into the engine and save it again "
-                              f"(or export from the engine)")
-    src = CheckpointSource(folders, manifest, verify=verify)
-    entries = _entries(manifest["groups"], model)
-    for fname in src.file_names():  # fail before writing anything: every file present, sized, intact
-        src.check_file(fname)
-    src.verify = False  # just checked
-    base = {}
-    for n in ("config.json", "generation_config.json"):
-        path = src.locate(n)
-        if path is not None:
-            base[n] = path.read_bytes()
+    foreign = open_foreign(str(ckpt), trust) if len(folders) == 1 and not (ckpt / MANIFEST).exists() else None
+    if foreign is not None:  # DeepSpeed ZeRO or DCP: the same export, read through the folder's own layout
+        src: Union[CheckpointSource, ForeignSource] = foreign
+        model, base = foreign.m["model"], dict(foreign.configs)
+        entries = _entries(foreign.groups, model)
+        for e in entries:  # fail before writing anything: every file present and readable
+            if e.slot is not None:
+                for fname in dict.fromkeys(foreign.files_for(e.slot["name"], 0, e.slot["numel"])):
+                    foreign.open_file(fname)
+    else:
+        manifest = read_manifests(folders)
+        model = manifest.get("model")
+        if model is None:
+            raise CheckpointError(f"{ckpt} was saved by an hf_zero without the model's state-dict layout (checkpoint "
+                                  f"format v{manifest.get('format_version')}): load it into the engine and save it "
+                                  f"again (or export from the engine)")
+        src = CheckpointSource(folders, manifest, verify=verify)
+        entries = _entries(manifest["groups"], model)
+        for fname in src.file_names():  # fail before writing anything: every file present, sized, intact
+            src.check_file(fname)
+        src.verify = False  # just checked
+        base = {}
+        for n in ("config.json", "generation_config.json"):
+            path = src.locate(n)
+            if path is not None:
+                base[n] = path.read_bytes()
     out_dtype = dtype_name(dtype) if dtype is not None else model["dtype"]
     configs = _config_files(model_config, model, base, out_dtype)
     if "config.json" not in configs:

@@ -25,8 +25,8 @@ import torch
 from .pickles import UntrustedPickleError, load_without_code
 from .source import CheckpointError
 
-__all__ = ["DeepSpeedRecord", "ForeignCheckpoint", "ZeroStage", "inspect_foreign", "read_dcp_metadata",
-           "read_deepspeed_file"]
+__all__ = ["DeepSpeedRecord", "ForeignCheckpoint", "ZeroStage", "inspect_foreign", "looks_foreign",
+           "read_dcp_metadata", "read_deepspeed_file"]
 
 TRUST = "trust_pickles=True"
 
@@ -167,6 +167,12 @@ def _deepspeed_step_folder(folder: str) -> Tuple[str, Optional[int]]:
 
 def _has_rank_files(folder: str) -> bool:
     return os.path.isdir(folder) and any(_RANK_FILE.match(n) for n in os.listdir(folder))
+
+
+def looks_foreign(folder: str) -> bool:
+    """Whether `folder` has the files of a DeepSpeed or DCP checkpoint (names only; nothing is read)."""
+    names = ("latest", ".metadata", os.path.join("pytorch_model_fsdp_0", ".metadata"))
+    return any(os.path.isfile(os.path.join(folder, n)) for n in names) or _has_rank_files(folder)
 
 
 def inspect_foreign(folder: str, trust: bool = False) -> Optional[ForeignCheckpoint]:

@@ -10,6 +10,9 @@ checkpoints already use. Nothing here writes; nothing runs code from the folder 
 """
 from __future__ import annotations
 
+import json
+import os
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -20,6 +23,33 @@ __all__ = ["ADAM_STATE", "ForeignSource", "ParamInfo"]
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq")  # torch's Adam and AdamW (and DeepSpeed's Adam) per-element state
 ADAM_CLASSES = ("Adam", "AdamW")
+
+
+def _config_files(folder: str) -> Dict[str, bytes]:
+    """config.json (and generation_config.json) in the checkpoint folder or the one above it: the Trainer's
+    `checkpoint-N/` holds DeepSpeed's `global_stepN/` beside the model's config."""
+    for where in (folder, os.path.dirname(os.path.normpath(folder))):
+        path = os.path.join(where, "config.json")
+        if os.path.isfile(path):
+            out = {"config.json": open(path, "rb").read()}
+            gen = os.path.join(where, "generation_config.json")
+            if os.path.isfile(gen):
+                out["generation_config.json"] = open(gen, "rb").read()
+            return out
+    return {}
+
+
+def _optimizer_classes(state_keys: Sequence[str], param_groups: List[Dict[str, Any]]) -> List[str]:
+    """The torch optimizers whose state the checkpoint holds: Adam's moments are AdamW's when the groups say the
+    weight decay was decoupled (torch records it), Adam's when they say it was not, either when they do not say."""
+    if not set(ADAM_STATE) <= set(state_keys):
+        return [f"an optimizer with state {sorted(state_keys)}"]
+    decoupled = {g.get("decoupled_weight_decay") for g in param_groups if "decoupled_weight_decay" in g}
+    if decoupled == {True}:
+        return ["AdamW"]
+    if decoupled == {False}:
+        return ["Adam"]
+    return list(ADAM_CLASSES)
 
 
 class ParamInfo:
@@ -51,7 +81,8 @@ class ForeignSource:
     def __init__(self, folder: str, description: str, world_size: int, step: Optional[int],
                  params: List[ParamInfo], param_groups: List[Dict[str, Any]], state_keys: Sequence[str],
                  scalar_keys: Sequence[str], buffer_info: List[Dict[str, Any]],
-                 loss_scaler: Optional[Dict[str, float]] = None, stage: Optional[int] = None) -> None:
+                 loss_scaler: Optional[Dict[str, float]] = None, stage: Optional[int] = None,
+                 state_dict_keys: Optional[List[str]] = None) -> None:
         self.dir = folder
         self.description = description
         self.world = world_size
@@ -72,16 +103,40 @@ class ForeignSource:
             for name in slot["aliases"]:
                 self.where[name] = (group, slot)
                 self.by_name[name] = p
-        # what _stage and load_state read from a manifest; JSON data, so the ranks can compare it
+        self.configs = _config_files(folder)
+        # what _stage, load_state and the export read from a manifest
         self.m: Dict[str, Any] = {
             "format": self.kind, "save_id": f"{self.kind}:{folder}:{step}", "world_size": world_size,
             "stage": stage, "step": step,
-            "model": {"class": description, "buffers": buffer_info},
-            "optimizer": {"class": None, "classes": list(ADAM_CLASSES) if set(ADAM_STATE) <= set(state_keys)
-                          else None, "state_keys": self.state_keys,
+            "model": self._model_layout(description, buffer_info, state_dict_keys),
+            "optimizer": {"class": None, "classes": _optimizer_classes(state_keys, param_groups),
+                          "state_keys": self.state_keys,
                           "param_groups": param_groups,
                           "param_group_of": {p.name: p.group for p in params if p.trainable}},
             "loss_scaler": loss_scaler,
+        }
+
+    def _model_layout(self, description: str, buffer_info: List[Dict[str, Any]],
+                      state_dict_keys: Optional[List[str]]) -> Dict[str, Any]:
+        """The manifest's "model" entry (layout.model_layout's fields) from what the folder records: the keys in
+        the folder's order, ties as exact-name patterns on the aliases (save_pretrained keeps the first name), the
+        class and precision from a config.json beside the folder when there is one."""
+        names = [n for p in self.params for n in (p.name, *p.aliases)] + [b["name"] for b in buffer_info]
+        keys = [k for k in (state_dict_keys or []) if k in set(names)]
+        keys += [n for n in names if n not in set(keys)]
+        config = json.loads(self.configs["config.json"]) if "config.json" in self.configs else {}
+        arch = (config.get("architectures") or [None])[0]
+        dtypes = [p.dtype for p in self.params]
+        return {
+            "class": arch or description, "transformers": arch is not None,
+            "dtype": dtypes[0] if dtypes else None,
+            "can_generate": bool(arch and arch.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))),
+            "num_parameters": sum(p.numel for p in self.params),
+            "state_dict_keys": keys,
+            "tied_weight_patterns": [f"^{re.escape(a)}$" for p in self.params for a in p.aliases],
+            "keys_to_ignore_on_save": [],
+            "buffers": buffer_info,
+            "description": description,
         }
 
     # -------------------------------------------------------------------------------- _stage's interface

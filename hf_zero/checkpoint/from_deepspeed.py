@@ -97,9 +97,16 @@ class DeepSpeedSource(ForeignSource):
                        - int(getattr(scaler, "last_overflow_iter", -1) or -1) - 1} \
             if getattr(scaler, "dynamic", False) and scale is not None else None
         self.lr_scheduler = model.get("lr_scheduler")
-        super().__init__(self.folder, f"a DeepSpeed ZeRO-{self.stage} checkpoint", self.ranks, found.step, params,
-                         groups, ADAM_STATE, ("step",), buffer_info, loss_scaler, self.stage)
+        step = found.step if found.step is not None else model.get("global_steps")  # Accelerate's tag has none
+        module = model.get("module") or {}
+        for p in params:  # the dtype it trained in (the master is fp32): what an export writes
+            t = module.get(p.name)
+            if torch.is_tensor(t) and t.is_floating_point():
+                p.dtype = str(t.dtype).replace("torch.", "")
+        super().__init__(self.folder, f"a DeepSpeed ZeRO-{self.stage} checkpoint", self.ranks, step, params,
+                         groups, ADAM_STATE, ("step",), buffer_info, loss_scaler, self.stage, list(module))
         self.m["global_steps"] = model.get("global_steps")
+        self.m["lr_scheduler"] = self.lr_scheduler  # the scheduler's state_dict when DeepSpeed was handed one
 
     # ------------------------------------------------------------------------------------------ files
     def open_file(self, fname: str) -> Any:

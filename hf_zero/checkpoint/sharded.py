@@ -40,7 +40,9 @@ import torch
 from . import background, hosts
 from .background import SaveHandle
 from ..engine.state import group_layout, partition, persistent_buffers
+from .foreign_source import ForeignSource
 from .layout import model_config_texts, model_layout
+from .open_foreign import open_foreign
 from .publish import check_target, clean_leftovers, fsync_path, fsync_tree, is_checkpoint, remove, resolve, swap, unswap
 from .source import (BUFFERS_FILE, FORMAT_VERSION, MANIFEST, CheckpointError, CheckpointSource, rank_file,
                      read_manifest, save_identity, sha256)
@@ -443,8 +445,11 @@ def _check_model(engine: "ZeroEngine", template: "ShardState", src: CheckpointSo
             ]))
         )
     cls = template.optimizer_class
-    if src.m["optimizer"]["class"] != cls:
-        raise CheckpointError(f"{directory} holds {src.m['optimizer']['class']} state but the optimizer is {cls}")
+    saved_opt = src.m["optimizer"]
+    allowed = saved_opt.get("classes") or [saved_opt["class"]]  # a foreign format names the optimizers it fits
+    if cls not in allowed:
+        raise CheckpointError(f"{directory} holds {' or '.join(map(str, allowed))} state "
+                              f"{saved_opt.get('state_keys') or ''}but the optimizer is {cls}".replace("[]", ""))
 
 
 
@@ -504,8 +509,12 @@ def _stage(engine: "ZeroEngine", src: CheckpointSource, directory: Path) -> "Sha
         segments.append(dataclasses.replace(seg, state=state))
     saved_model = src.m.get("model")
     buffers = {b["name"]: src.buffer(b["name"]) for b in saved_model["buffers"]} if saved_model is not None else {}
+    param_groups = [dict(hp) for hp in src.m["optimizer"]["param_groups"]]
+    if isinstance(src, ForeignSource):  # another system's groups: only the hyper-parameters this optimizer has
+        param_groups = [{k: v for k, v in hp.items() if k in mine} for hp, mine in zip(param_groups,
+                                                                                       template.param_groups)]
     return dataclasses.replace(template, groups=shards, segments=segments, buffers=buffers,
-                               param_groups=[dict(hp) for hp in src.m["optimizer"]["param_groups"]],
+                               param_groups=param_groups,
                                loss_scaler=src.m.get("loss_scaler") if template.loss_scaler is not None else None)
 
 
@@ -531,20 +540,45 @@ def _agree_on_load(engine: "ZeroEngine", directory: Path, error: Optional[str],
     return None
 
 
-def stage_checkpoint(engine: "ZeroEngine", directory: os.PathLike,
-                     verify: bool = True) -> Tuple[Dict[str, Any], "ShardState"]:
+def describe_source(src: Union[CheckpointSource, "ForeignSource"]) -> str:
+    """What a checkpoint is, for a person: "a DeepSpeed ZeRO-3 checkpoint, 4 ranks, step 120"."""
+    m = src.m
+    what = src.description if isinstance(src, ForeignSource) else f"an hf_zero stage-{m.get('stage')} checkpoint"
+    world = m.get("world_size")
+    step = f", step {m['step']}" if m.get("step") is not None else ""
+    return f"{what}, {world} rank{'s' if world != 1 else ''}{step}"
+
+
+def describe_run(engine: "ZeroEngine") -> str:
+    world = engine.comm.world_size
+    return f"stage {engine.config.stage}, {world} rank{'s' if world != 1 else ''}"
+
+
+def stage_checkpoint(engine: "ZeroEngine", directory: os.PathLike, verify: bool = True,
+                     trust: bool = False) -> Tuple[Dict[str, Any], "ShardState"]:
     """Collective. Read and check everything this rank needs from the checkpoint in `directory` into a staged
     `ShardState` (fresh tensors; the engine does not change), and agree with the other ranks: an error on any rank
     raises CheckpointError on every rank. Returns (manifest, staged); `engine.load_shard_state(staged)` applies it.
-    Lets a caller that restores more (schedulers, RNG) check everything before changing anything."""
+    Lets a caller that restores more (schedulers, RNG) check everything before changing anything.
+
+    `directory` may also hold a checkpoint another system wrote: DeepSpeed ZeRO (stages 1-3) or
+    torch.distributed.checkpoint (FSDP2), at any world size (checkpoint/open_foreign.py). Its pickles are read
+    with no code run from them; `trust=True` unpickles them in full. The manifest returned is then the source's
+    description (`"format"` names the system)."""
     background.wait_for_save(engine)  # the folder may be the one a background save is writing
     comm = engine.comm
     directory = resolve(directory)  # a save killed between its two renames left the previous one aside
     error, failure, manifest, staged = None, None, None, None
-    src: Optional[CheckpointSource] = None
+    src: Optional[Union[CheckpointSource, ForeignSource]] = None
     try:
-        manifest = read_manifest(directory)
-        src = CheckpointSource(directory, manifest, verify=verify, reader=_where(comm))
+        src = open_foreign(str(directory), trust) if not (directory / MANIFEST).exists() else None
+        if src is not None:
+            manifest = src.m
+            if comm.rank == 0:
+                logger.info("hf_zero: found %s -> this run: %s", describe_source(src), describe_run(engine))
+        else:
+            manifest = read_manifest(directory)
+            src = CheckpointSource(directory, manifest, verify=verify, reader=_where(comm))
         staged = _stage(engine, src, directory)
     except Exception as exc:  # any error goes through the agreement: the other ranks must not wait for this one
         failure = exc

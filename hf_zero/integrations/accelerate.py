@@ -31,6 +31,7 @@ from torch import nn
 
 from ..checkpoint import (CheckpointError, export_pretrained, push_to_hub, read_manifest, resolve_checkpoint,
                           save_checkpoint, stage_checkpoint)
+from ..checkpoint.foreign import looks_foreign
 from ..checkpoint.hosts import raise_if_any_failed, require_on_every_host
 from ..checkpoint.pickles import UntrustedPickleError, load_without_code, untrusted_error
 from ..engine import ZeroEngine, ZeroOptimizer, enable_activation_checkpointing, shard_model
@@ -394,6 +395,8 @@ class HfZeroAccelerator(Accelerator):
         if input_dir is None:
             raise ValueError("HfZeroAccelerator.load_state needs input_dir: the folder save_state returned")
         folder = os.path.expanduser(str(input_dir))
+        if not os.path.isdir(os.path.join(folder, "zero_shards")) and looks_foreign(folder):
+            return self._load_foreign_state(folder, load_kwargs, trust, **load_model_func_kwargs)
         files = self._state_files()
         require_on_every_host(folder, list(files), files, CheckpointError)
         shards = resolve_checkpoint(Path(folder, "zero_shards"))  # a save killed mid-rename left the previous aside
@@ -412,6 +415,42 @@ class HfZeroAccelerator(Accelerator):
             error = exc
         try:
             raise_if_any_failed(error, f"load_state({input_dir})", CheckpointError)
+        except CheckpointError:
+            self._restore_state(before)
+            raise
+        self.zero_engine.load_shard_state(staged)
+
+    def _load_foreign_state(self, folder: str, load_kwargs: Optional[dict], trust: bool,
+                            **load_model_func_kwargs: Any) -> None:
+        """load_state of a folder DeepSpeed or FSDP2 wrote through Accelerate (or the Trainer): weights, fp32
+        master and Adam state resharded onto this run's engine (`stage_checkpoint` reads them with no code run),
+        the LR scheduler from the folder's own record (DeepSpeed keeps it in its model states), and Accelerate's
+        RNG, sampler and custom states where the folder has them. All or nothing, as for hf_zero's own folders."""
+        manifest, staged = stage_checkpoint(self.zero_engine, folder, trust=trust)  # the source's description
+        before = self._restorable_state()
+        error = None
+        try:
+            from accelerate.utils import SCHEDULER_NAME
+
+            # Accelerate writes scheduler.bin beside a DeepSpeed checkpoint unless DeepSpeed was handed the
+            # scheduler, which then lives in DeepSpeed's model states
+            accelerate_wrote = os.path.isfile(os.path.join(folder, f"{SCHEDULER_NAME}.bin"))
+            saved_schedulers = self._schedulers
+            self._schedulers = saved_schedulers if accelerate_wrote else []
+            try:
+                with self._without(models=True, optimizers=True):
+                    self._load_accelerate_state(folder, load_kwargs, trust, **load_model_func_kwargs)
+            finally:
+                self._schedulers = saved_schedulers
+            scheduler_state = manifest.get("lr_scheduler")
+            if scheduler_state is not None and self._schedulers and not accelerate_wrote:
+                self._schedulers[0].load_state_dict(scheduler_state)
+            if manifest.get("step") is not None and not os.path.isfile(os.path.join(folder, "random_states_0.pkl")):
+                self.step = int(manifest["step"]) * max(1, self.gradient_accumulation_steps)
+        except Exception as exc:  # raised on every rank, not left to hang the others in the next collective
+            error = exc
+        try:
+            raise_if_any_failed(error, f"load_state({folder})", CheckpointError)
         except CheckpointError:
             self._restore_state(before)
             raise
