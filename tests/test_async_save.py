@@ -76,21 +76,23 @@ def overlap(rank, world, base, kind, stage):
     engine = _engine(kind, stage)
     _train(engine, 0, rank, world)
     before = engine.full_state_dict()
-    save_checkpoint(engine, base / "sync", step=1)
-    gate = threading.Event()
+    for i, suffix in enumerate(("", "2")):  # the second round writes into the first one's host copies
+        save_checkpoint(engine, base / f"sync{suffix}", step=1 + i)
+        gate = threading.Event()
 
-    def held(real, *a, **kw):
-        assert gate.wait(120), "the training thread never opened the gate"
-        return real(*a, **kw)
+        def held(real, *a, **kw):
+            assert gate.wait(120), "the training thread never opened the gate"
+            return real(*a, **kw)
 
-    with _patched_write(held):
-        handle = save_checkpoint(engine, base / "async", step=1, async_save=True)
-        assert isinstance(handle, background.SaveHandle) and not handle.done()
-        _train(engine, 1, rank, world)  # the training goes on while the save is in flight (and changes everything)
-        gate.set()
-        assert handle.result(120) == base / "async"
-    assert engine.wait_for_save() in (None, base / "async")  # done: nothing to wait for, nothing to raise
-    after = engine.full_state_dict()
+        with _patched_write(held):
+            handle = save_checkpoint(engine, base / f"async{suffix}", step=1 + i, async_save=True)
+            assert isinstance(handle, background.SaveHandle) and not handle.done()
+            _train(engine, 1 + i, rank, world)  # training goes on while the save is in flight, changing everything
+            gate.set()
+            assert handle.result(120) == base / f"async{suffix}"
+        assert engine.wait_for_save() in (None, base / f"async{suffix}")  # done: nothing to wait for or raise
+        if i == 0:
+            after = engine.full_state_dict()
     fresh = _engine(kind, stage, seed=5)
     manifest = load_checkpoint(fresh, base / "async")
     loaded = fresh.full_state_dict()
@@ -248,6 +250,7 @@ def test_async_folder_equals_sync_and_holds_the_values_at_save_time(dist_results
     assert got["loaded_is_before"] and got["step"] == 1
     base = _base(world) / case
     assert_same_folder(base / "sync", base / "async")
+    assert_same_folder(base / "sync2", base / "async2")
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -359,3 +362,43 @@ def test_a_process_killed_during_a_background_save_leaves_the_previous_checkpoin
     manifest = load_checkpoint(fresh, tmp_path / "ckpt")
     assert manifest["step"] == 1 and manifest["world_size"] == world
     assert _same(fresh.full_state_dict(), first)
+
+
+# ------------------------------------------------------------------------------------------------ Accelerate, Trainer
+INTEGRATIONS = HERE / "scripts" / "async_save_integrations.py"
+
+
+def _torchrun(out: Path, *args: str) -> None:
+    """Two CPU ranks of the integrations script (torchrun --standalone: it picks a free port itself)."""
+    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               TOKENIZERS_PARALLELISM="false")
+    env.pop("HF_ZERO_CONFIG_FILE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(INTEGRATIONS),
+           "--out", str(out), *args]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"{' '.join(cmd)}:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+
+
+@pytest.mark.slow
+def test_accelerate_save_state_async_round_trip(tmp_path):
+    """save_state(async_save=True): zero_shards/ equals a synchronous save_state's of the same state, and
+    load_state of it gives back the weights at the save although training went on meanwhile."""
+    _torchrun(tmp_path, "--mode", "accelerate")
+    got = json.loads((tmp_path / "result.json").read_text())
+    assert got["changed"] and got["loaded_is_before"], got
+    assert_same_folder(tmp_path / "sync" / "zero_shards", tmp_path / "async" / "zero_shards")
+
+
+@pytest.mark.slow
+def test_zero_trainer_async_checkpoints_equal_sync_and_rotate_after_completion(tmp_path):
+    """ZeroPlugin(async_save=True) under ZeroTrainer with a checkpoint every step and save_total_limit=1: the run
+    ends with the last checkpoint complete and the older ones rotated away, its shards byte for byte a synchronous
+    run's."""
+    for mode in ("sync", "async"):
+        _torchrun(tmp_path / mode, "--mode", "trainer", *(["--async-save"] if mode == "async" else []))
+        left = json.loads((tmp_path / mode / "result.json").read_text())["left"]
+        assert left == ["checkpoint-4"], (mode, left)
+        assert json.loads((tmp_path / mode / "checkpoint-4" / "zero_shards" / "manifest.json").read_text())[
+            "step"] == 4
+    assert_same_folder(tmp_path / "sync" / "checkpoint-4" / "zero_shards",
+                       tmp_path / "async" / "checkpoint-4" / "zero_shards")

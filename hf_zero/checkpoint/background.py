@@ -4,7 +4,8 @@ on the training thread and writes, agrees and publishes it on a thread of its ow
 One save per engine is in flight at a time: the next save, a load, `engine.wait_for_save()` and `engine.close()`
 wait for it first. A failure is kept until it is reported, once, by whichever of those (or the handle's
 `result()`) comes first; a process that ends with a save in flight waits for it at exit and logs its failure, so
-no error is lost.
+no error is lost. The host copies stay allocated between saves and are reused (one copy of the rank's shard, in
+pinned memory on a GPU) until `engine.close()`.
 
 The background save's collectives (the ranks' agreement on every step, the manifest's broadcast) go over a gloo
 group of its own, made once per engine at its first asynchronous save (`dist.new_group` is collective: every rank
@@ -19,8 +20,9 @@ import logging
 import threading
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
+import torch
 import torch.distributed as dist
 
 from ..engine.exit import hold
@@ -30,7 +32,8 @@ if TYPE_CHECKING:
     from ..engine import ZeroEngine
     from ..engine.comm import Comm
 
-__all__ = ["SaveHandle", "comm_for", "pending", "start", "wait_for_save"]
+__all__ = ["SaveHandle", "close", "comm_for", "host_buffers", "keep_host_buffers", "pending", "start",
+           "wait_for_save"]
 logger = logging.getLogger("hf_zero")
 
 
@@ -109,6 +112,7 @@ class _Saver:
     def __init__(self, comm: "Comm") -> None:
         self.comm: Optional["Comm"] = comm
         self.pending: Optional[SaveHandle] = None
+        self.buffers: Optional[Dict[str, torch.Tensor]] = None  # the last save's host copies, reused by the next
         hold(self)
 
     def release_groups(self) -> None:
@@ -150,8 +154,6 @@ def comm_for(engine: "ZeroEngine") -> "Comm":
 def _timeout(group: Optional[Any]) -> Optional[Any]:
     """The engine's group's collective timeout, for the save's group (new_group's default is gloo's 30 minutes: a
     peer that died mid-save would hold the survivors that long)."""
-    import torch
-
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     for device in ("cpu", "cuda"):
         try:
@@ -172,6 +174,31 @@ def start(engine: "ZeroEngine", directory: Path, run: Callable[[], Path]) -> Sav
             atexit.register(_wait_at_exit)
         handle = saver.pending = SaveHandle(directory, run)
     return handle
+
+
+def host_buffers(engine: "ZeroEngine") -> Optional[Dict[str, torch.Tensor]]:
+    """The host copies of the engine's last background save (finished: call after `wait_for_save`), to copy the
+    next save's state into."""
+    saver = _savers.get(engine)
+    return saver.buffers if saver is not None else None
+
+
+def keep_host_buffers(engine: "ZeroEngine", tensors: Optional[Dict[str, torch.Tensor]]) -> None:
+    """Keep `tensors` for the engine's next background save (one host copy of the rank's shard stays allocated
+    between saves: fresh memory would cost the training thread its page faults, or pinning, at every save)."""
+    saver = _savers.get(engine)
+    if saver is not None and tensors is not None:
+        saver.buffers = tensors
+
+
+def close(engine: "ZeroEngine") -> None:
+    """Wait for the engine's background save (raising its error) and free its host copies."""
+    try:
+        wait_for_save(engine)
+    finally:
+        saver = _savers.get(engine)
+        if saver is not None:
+            saver.buffers = None
 
 
 def pending(engine: "ZeroEngine") -> Optional[SaveHandle]:

@@ -84,33 +84,40 @@ def _exchange(comm: "Comm", obj: Any) -> List[Any]:
 
 
 # ---------------------------------------------------------------------------------------------- save
-def _partition_tensors(state: "ShardState", groups: List[Dict[str, Any]],
-                       copy: bool = False) -> Dict[str, torch.Tensor]:
+def _partition_tensors(state: "ShardState", groups: List[Dict[str, Any]], copy: bool = False,
+                       reuse: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
     """This rank's partition: per group the master (trainable) or compute (frozen) range and each optimizer
     state over it; per-parameter scalars (Adam's step) as one slot per group slot (NaN where the partition holds
     none of the parameter).
 
     `copy`: every tensor is a host copy the engine's later steps cannot change (an asynchronous save writes it
     after the training goes on); copies from a GPU go to pinned memory without blocking, and one stream sync
-    per device waits for them. Without it a CPU master range is returned as the engine's own tensor."""
+    per device waits for them. `reuse`: an earlier call's tensors, written over where the names, shapes and dtypes
+    match (fresh host memory costs a page fault per page, pinned memory a pinning: most of a copy's time). Without
+    `copy` a CPU master range is returned as the engine's own tensor."""
     out: Dict[str, torch.Tensor] = {}
     devices = set()
+    covered: Dict[str, List[Tuple[int, int]]] = {}
 
-    def host(shape: Any, dtype: torch.dtype, src: torch.Tensor, zeros: bool = False) -> torch.Tensor:
+    def host(name: str, numel: int, dtype: torch.dtype, src: torch.Tensor) -> torch.Tensor:
         pinned = copy and src.is_cuda
         if pinned:
             devices.add(src.device)
-        return (torch.zeros if zeros else torch.empty)(shape, dtype=dtype, pin_memory=pinned)
+        old = (reuse or {}).get(name)
+        if old is not None and old.dtype == dtype and old.shape == (numel,):
+            return old
+        return torch.empty(numel, dtype=dtype, pin_memory=pinned)
 
     def fill(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src.detach().reshape(-1), non_blocking=copy and src.is_cuda)
 
     for g in state.groups:
+        name = f"g{g.index}.values"
         if copy:
-            out[f"g{g.index}.values"] = t = host(g.values.shape, g.values.dtype, g.values)
+            out[name] = t = host(name, g.values.numel(), g.values.dtype, g.values)
             fill(t, g.values)
         else:
-            out[f"g{g.index}.values"] = g.values.detach().to("cpu").contiguous()
+            out[name] = g.values.detach().to("cpu").contiguous()
     for seg in state.segments:
         slots = [s["name"] for s in groups[seg.group]["slots"]]
         for key, value in seg.state.items():
@@ -122,8 +129,15 @@ def _partition_tensors(state: "ShardState", groups: List[Dict[str, Any]],
             else:
                 name = f"g{seg.group}.state.{key}"
                 if name not in out:
-                    out[name] = host(groups[seg.group]["shard_numel"], value.dtype, value, zeros=True)
+                    out[name] = host(name, groups[seg.group]["shard_numel"], value.dtype, value)
                 fill(out[name][seg.start:seg.end], value)
+                covered.setdefault(name, []).append((seg.start, seg.end))
+    for name, spans in covered.items():  # zeros where no segment is (padding): one write per element in all
+        at = 0
+        for a, b in sorted(spans) + [(out[name].numel(), out[name].numel())]:
+            if a > at:
+                out[name][at:a].zero_()
+            at = max(at, b)
     for device in devices:  # the copies above were queued on the device's stream: done before training goes on
         torch.cuda.current_stream(device).synchronize()
     return out
@@ -217,15 +231,17 @@ class _Snapshot:
     error: Optional[BaseException] = None
 
 
-def _snapshot(engine: "ZeroEngine", step: Optional[int], copy: bool) -> _Snapshot:
+def _snapshot(engine: "ZeroEngine", step: Optional[int], copy: bool,
+              reuse: Optional[Dict[str, torch.Tensor]] = None) -> _Snapshot:
     """This rank's part of a save, from the engine. `copy`: host copies that outlive the call (an asynchronous
-    save); otherwise the CPU master ranges stay the engine's own tensors until the save writes them."""
+    save), written into `reuse` where they fit; otherwise the CPU master ranges stay the engine's own tensors
+    until the save writes them."""
     part, parts = partition(engine)
     snap = _Snapshot(part, parts)
     try:
         state = engine.shard_state()
         groups = group_layout(engine)
-        snap.tensors = _partition_tensors(state, groups, copy)
+        snap.tensors = _partition_tensors(state, groups, copy, reuse)
         if engine.comm.rank == 0:  # built once, so every disk gets the same bytes
             layout, buffers = model_layout(engine)
             buf = _buffer_bytes(buffers)
@@ -415,7 +431,8 @@ def save_checkpoint(engine: "ZeroEngine", directory: os.PathLike, step: Optional
     if not async_save:
         return _Save(_snapshot(engine, step, copy=False), engine.comm, directory, overwrite).run()
     comm = background.comm_for(engine)
-    snap = _snapshot(engine, step, copy=True)
+    snap = _snapshot(engine, step, copy=True, reuse=background.host_buffers(engine))
+    background.keep_host_buffers(engine, snap.tensors)
     return background.start(engine, directory, lambda: _Save(snap, comm, directory, overwrite).run())
 
 

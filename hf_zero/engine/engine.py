@@ -113,8 +113,9 @@ class ZeroEngine:
     def close(self) -> None:
         """Wait for a background checkpoint save (raising its error) and the engine's collectives, and remove its
         hooks (the model keeps its current, possibly sharded, storage)."""
+        from ..checkpoint import background
         try:
-            self.wait_for_save()
+            background.close(self)  # and frees the host copies a background save keeps for the next one
         finally:
             self.wait()
             self.reducer.remove_hooks()
