@@ -75,8 +75,9 @@ def trainer() -> None:
                     zero_plugin=ZeroPlugin(stage=2, async_save=args.async_save))
     t.train()
     if t.args.process_index == 0:
+        left = sorted(os.listdir(args.out))
         with open(os.path.join(args.out, "result.json"), "w") as f:
-            json.dump({"left": sorted(os.listdir(args.out))}, f)
+            json.dump({"left": left}, f)
 
 
 with contextlib.suppress(FileExistsError):
