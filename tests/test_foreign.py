@@ -204,3 +204,23 @@ def test_deepspeed_truncated_file_is_named(deepspeed_folder, tmp_path):
         f.write(data[: len(data) // 3])
     with pytest.raises(CheckpointError, match=r"optim_states\.pt: not a readable DeepSpeed checkpoint file"):
         inspect_foreign(folder)
+
+
+@pytest.mark.slow
+def test_reading_and_exporting_a_deepspeed_folder_never_imports_deepspeed(deepspeed_folder, tmp_path):
+    """In a fresh interpreter (DeepSpeed is installed here): hf_zero's checkpoint layer opens, reads and exports a
+    DeepSpeed folder, and `deepspeed` is still not in sys.modules."""
+    code = (
+        "import sys, torch\n"
+        "from hf_zero.checkpoint.open_foreign import open_foreign\n"
+        "from hf_zero.checkpoint import export_pretrained\n"
+        f"src = open_foreign({deepspeed_folder!r})\n"
+        "p = src.params[0]\n"
+        "assert src.read(p.name, 'values', 0, p.numel).numel() == p.numel\n"
+        f"export_pretrained({deepspeed_folder!r}, {str(tmp_path / 'out')!r}, progress=False)\n"
+        "print('deepspeed' in sys.modules, sorted(m for m in sys.modules if m.startswith('deepspeed'))[:3])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "False []"
+    assert (tmp_path / "out" / "model.safetensors").is_file()

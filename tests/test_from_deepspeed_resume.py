@@ -24,6 +24,7 @@ def _launch(tmp, world, *args):
     backend = args[args.index("--backend") + 1]
     env = dict(os.environ, WORLD_SIZE=str(world), STORE=str(tmp / f"store.{len(os.listdir(tmp))}"),
                DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env.pop("ACCELERATE_USE_DEEPSPEED", None)
     env.update({"ACCELERATE_USE_DEEPSPEED": "true"} if backend == "deepspeed" else
                {"ACCELERATE_USE_CPU": "1", "MASTER_ADDR": "127.0.0.1"})
     procs = []
@@ -148,4 +149,70 @@ def test_a_planted_payload_in_a_deepspeed_folder_does_not_run_on_resume(deepspee
         _launch(tmp_path, 3, "--backend", "zero", "--stage", "3", "--groups", groups, "--first", "2", "--steps", "1",
                 "--load", str(hostile), "--out", str(tmp_path / "never.json"))
     assert not marker.exists() and _snapshot(str(hostile)) == before
+    assert not (tmp_path / "never.json").exists()
+
+
+def _trainer_checkpoint(folder, tmp_path):
+    """The Trainer's layout of a DeepSpeed checkpoint: checkpoint-2/ with DeepSpeed's global_step2/ and `latest`,
+    trainer_state.json (the Trainer's own TrainerState) and scheduler.pt. DeepSpeed's part is the real folder's;
+    Accelerate's scheduler.bin is the same torch.save of the scheduler's state_dict the Trainer writes."""
+    import shutil
+
+    from transformers import TrainerState
+
+    ckpt = tmp_path / "out" / "checkpoint-2"
+    shutil.copytree(folder / "pytorch_model", ckpt / "global_step2")
+    (ckpt / "latest").write_text("global_step2")
+    shutil.copy(folder / "scheduler.bin", ckpt / "scheduler.pt")
+    TrainerState(global_step=2, max_steps=4, logging_steps=1, train_batch_size=3).save_to_json(
+        str(ckpt / "trainer_state.json"))
+    return ckpt
+
+
+def test_zero_trainer_resumes_a_deepspeed_trainer_checkpoint_as_deepspeed_continues(deepspeed_run, tmp_path):
+    _, groups, tmp, folder = deepspeed_run
+    ckpt = _trainer_checkpoint(folder, tmp_path)
+    out = tmp_path / "trainer.json"
+    _launch(tmp_path, 3, "--backend", "trainer", "--stage", "3", "--groups", groups, "--first", "2", "--steps", "2",
+            "--load", str(ckpt), "--out", str(out))
+    ref, mine = json.loads((tmp / "continued.json").read_text()), json.loads(out.read_text())
+    assert mine["losses"] == pytest.approx(ref["losses"], abs=1e-4)  # the Trainer logs 4 decimals
+    assert mine["lr"] == pytest.approx(ref["lr"], rel=1e-12)
+    ref_w, mine_w = load_file(str(tmp / "continued.json.safetensors")), load_file(str(out) + ".safetensors")
+    assert sorted(mine_w) == sorted(ref_w)
+    for name in ref_w:
+        torch.testing.assert_close(mine_w[name], ref_w[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_3_rank_deepspeed_folder_with_padding_reads_as_deepspeeds_zero_to_fp32(stage, tmp_path):
+    """3 ranks split this model's parameters unevenly (stage 3: per parameter; stage 1: the flat group), so
+    partitions are padded: every parameter must still read back as DeepSpeed's own consolidation gives it. bf16
+    at stage 1: the fp32 master is read, not the bf16 weights."""
+    from hf_zero.checkpoint.open_foreign import open_foreign
+
+    folder = tmp_path / "saved"
+    _launch(tmp_path, 3, "--backend", "deepspeed", "--stage", str(stage), "--groups", "1" if stage == 3 else "2",
+            "--steps", "1", "--save", str(folder), "--out", str(tmp_path / "first.json"),
+            *(["--bf16"] if stage == 1 else []))
+    ref = load_file(str(tmp_path / "first.json.safetensors"))
+    src = open_foreign(str(folder))
+    assert src.description == f"a DeepSpeed ZeRO-{stage} checkpoint" and src.m["world_size"] == 3
+    assert src.m["step"] == 1
+    assert sorted(p.name for p in src.params) == sorted(ref)
+    padded = [p.name for p in src.params if p.numel % 3]
+    assert padded  # the case this test is about
+    for p in src.params:
+        assert torch.equal(src.read(p.name, "values", 0, p.numel).view(p.shape), ref[p.name]), p.name
+        lo, hi = p.numel // 3 + 1, p.numel - 1  # a range that crosses a partition boundary
+        assert torch.equal(src.read(p.name, "values", lo, hi), ref[p.name].reshape(-1)[lo:hi]), p.name
+        assert src.scalar(p.name, "step") == 1.0
+
+
+def test_a_deepspeed_folder_of_another_model_is_refused_naming_the_parameters(deepspeed_run, tmp_path):
+    _, groups, tmp, folder = deepspeed_run
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)was saved from another model.*shape mismatches.*"
+                                                    r"model\.embed_tokens\.weight: saved \[64, 16\] vs model \[64, 32\]"):
+        _launch(tmp_path, 2, "--backend", "zero", "--stage", "2", "--groups", groups, "--hidden", "32", "--first",
+                "2", "--steps", "1", "--load", str(folder), "--out", str(tmp_path / "never.json"))
     assert not (tmp_path / "never.json").exists()

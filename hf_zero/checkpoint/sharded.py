@@ -42,6 +42,7 @@ from .background import SaveHandle
 from ..engine.state import group_layout, partition, persistent_buffers
 from .foreign_source import ForeignSource
 from .layout import model_config_texts, model_layout
+from .from_dcp import parameter_names
 from .open_foreign import open_foreign
 from .publish import check_target, clean_leftovers, fsync_path, fsync_tree, is_checkpoint, remove, resolve, swap, unswap
 from .source import (BUFFERS_FILE, FORMAT_VERSION, MANIFEST, CheckpointError, CheckpointSource, rank_file,
@@ -588,7 +589,9 @@ def stage_checkpoint(engine: "ZeroEngine", directory: os.PathLike, verify: bool 
     error, failure, manifest, staged = None, None, None, None
     src: Optional[Union[CheckpointSource, ForeignSource]] = None
     try:
-        src = open_foreign(str(directory), trust) if not (directory / MANIFEST).exists() else None
+        # the model's names tell a DCP folder's frozen parameters from its buffers
+        src = open_foreign(str(directory), trust, parameter_names(engine.model)) \
+            if not (directory / MANIFEST).exists() else None
         if src is not None:
             manifest = src.m
             if comm.rank == 0:

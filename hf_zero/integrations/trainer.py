@@ -35,6 +35,7 @@ from transformers import Trainer, TrainingArguments
 
 from ..checkpoint import (CheckpointError, is_checkpoint, load_checkpoint, read_manifest, resolve_checkpoint,
                           save_checkpoint, stage_checkpoint)
+from ..checkpoint.foreign import looks_foreign
 from ..checkpoint.hosts import all_gather_objects, describe_ranks, host_name, raise_if_any_failed, \
     require_on_every_host
 from .accelerate import HfZeroAccelerator, load_without_code
@@ -77,6 +78,19 @@ class ZeroTrainerMixin:
         if any(p.is_meta for p in model.parameters()):
             return None
         return super()._move_model_to_device(model, device)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+        """The Trainer's scheduler; one given as `optimizers=(optimizer, scheduler)` was built on the optimizer that
+        sharding replaced, so it is re-pointed at the ZeRO optimizer (as HfZeroAccelerator.prepare re-points the
+        schedulers it is given). Under DDP the prepared optimizer shares the user's param_groups; the ZeRO
+        optimizer has its own, and the scheduler would go on setting the learning rate of an optimizer nothing
+        steps."""
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        engines = self.accelerator.zero_engines
+        if engines and isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) \
+                and scheduler.optimizer.param_groups is not engines[0].optimizer.param_groups:
+            scheduler.optimizer = engines[0].optimizer
+        return scheduler
 
     @property
     def zero_engine(self):
@@ -228,7 +242,8 @@ class ZeroTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[torch.nn.Module] = None) -> None:
         """A ZeroTrainer checkpoint's shards restore every weight after sharding: its consolidated weights (on the
         main process's host only) are not read. Other checkpoints load as the Trainer loads them."""
-        if is_checkpoint(resolve_checkpoint(Path(resume_from_checkpoint, SHARDS_DIR))):
+        if is_checkpoint(resolve_checkpoint(Path(resume_from_checkpoint, SHARDS_DIR))) or \
+                looks_foreign(resume_from_checkpoint):  # DeepSpeed's or FSDP2's: the weights come with the state
             return None
         return _with_globals(super()._load_from_checkpoint, torch=self._files_without_code())(resume_from_checkpoint,
                                                                                               model)
@@ -240,14 +255,20 @@ class ZeroTrainerMixin:
         if checkpoint is None:
             return
         shards = resolve_checkpoint(Path(checkpoint, SHARDS_DIR))
-        if not shards.is_dir():
+        foreign = not shards.is_dir() and looks_foreign(checkpoint)
+        if foreign:  # a DeepSpeed or FSDP2 Trainer checkpoint: its partitions resharded onto this engine
+            shards = Path(checkpoint)
+        elif not shards.is_dir():
             raise FileNotFoundError(f"{checkpoint} has no {SHARDS_DIR}/ folder: it was not written by ZeroTrainer, "
                                     f"so there is no optimizer state to resume from")
         # all or nothing: the shards are read and checked on every rank before the scheduler or the engine changes
-        _, staged = stage_checkpoint(self.zero_engine, shards)
+        manifest, staged = stage_checkpoint(self.zero_engine, shards, trust=getattr(self, "_trust_pickles", False))
         path = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None:  # an error on any rank raises on every rank (the others would wait)
-            self._read_files(f"loading {path}", self._load_scheduler, path)
+            if foreign and not os.path.isfile(path) and manifest.get("lr_scheduler") is not None:
+                self.lr_scheduler.load_state_dict(manifest["lr_scheduler"])  # DeepSpeed kept the scheduler
+            else:
+                self._read_files(f"loading {path}", self._load_scheduler, path)
         self.zero_engine.load_shard_state(staged)
 
     def _load_scheduler(self, path: str) -> None:
@@ -271,7 +292,8 @@ def _last_complete_checkpoint(output_dir: str) -> Optional[str]:
     skipped = []
     for _, name in reversed(steps):
         folder = Path(output_dir, name)
-        if (folder / TRAINER_STATE_NAME).is_file() and is_checkpoint(resolve_checkpoint(folder / SHARDS_DIR)):
+        if (folder / TRAINER_STATE_NAME).is_file() and (is_checkpoint(resolve_checkpoint(folder / SHARDS_DIR))
+                                                         or looks_foreign(str(folder))):
             if skipped:
                 logger.warning("hf_zero: resuming from %s; skipped %s (a save that did not finish)", folder,
                                ", ".join(skipped))

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 p = argparse.ArgumentParser()
-p.add_argument("--backend", choices=["deepspeed", "zero"], required=True)
+p.add_argument("--backend", choices=["deepspeed", "zero", "trainer"], required=True,
+               help="trainer: ZeroTrainer resuming --load, a Trainer checkpoint-N folder")
 p.add_argument("--stage", type=int, required=True)
 p.add_argument("--first", type=int, default=0, help="the first global step this run takes")
 p.add_argument("--steps", type=int, required=True, help="how many optimizer steps to run")
@@ -23,6 +24,7 @@ p.add_argument("--save", default=None, help="deepspeed: save_state here after th
 p.add_argument("--load", default=None, help="load_state from this folder first")
 p.add_argument("--bf16", action="store_true", help="deepspeed: bf16 compute with fp32 master weights")
 p.add_argument("--groups", type=int, default=2, choices=[1, 2], help="AdamW parameter groups")
+p.add_argument("--hidden", type=int, default=16, help="the model's width (another width: another model)")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
@@ -45,15 +47,15 @@ if args.backend == "deepspeed":
     plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=GLOBAL_BATCH // world,
                                    train_batch_size=GLOBAL_BATCH)
     accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision="bf16" if args.bf16 else "no")
-else:
+elif args.backend == "zero":
     from hf_zero import HfZeroAccelerator, ZeroPlugin
 
     # DeepSpeed steps the scheduler once per optimizer step; Accelerate steps it once per process unless told not to
     accelerator = HfZeroAccelerator(zero_plugin=ZeroPlugin(stage=args.stage), step_scheduler_with_optimizer=False)
 
 torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False)
+cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=24, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False)
 model = AutoModelForCausalLM.from_config(cfg)
 decay = [q for n, q in model.named_parameters() if q.ndim >= 2]
 no_decay = [q for n, q in model.named_parameters() if q.ndim < 2]
@@ -63,12 +65,41 @@ groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_d
     else [{"params": decay + no_decay, "weight_decay": 0.1}]
 optimizer = torch.optim.AdamW(groups, lr=3e-3, eps=1e-6)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+data = torch.randint(0, VOCAB, (16 * GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+per_rank = GLOBAL_BATCH // world
+if args.backend == "trainer":
+    from datasets import Dataset
+    from safetensors.torch import save_file
+    from torch.utils.data import SequentialSampler
+    from transformers import TrainingArguments
+
+    from hf_zero import ZeroPlugin, ZeroTrainer
+
+    class InOrder(ZeroTrainer):
+        def _get_train_sampler(self, *a, **k):  # global step s sees batch s, as the other backends do
+            return SequentialSampler(self.train_dataset)
+
+    os.environ["ACCELERATE_USE_CPU"] = "1"
+    targs = TrainingArguments(output_dir=os.path.dirname(os.path.abspath(args.load)), per_device_train_batch_size=per_rank,
+                              max_steps=args.first + args.steps, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
+                              report_to=[], use_cpu=True, dataloader_drop_last=True, disable_tqdm=True)
+    ds = Dataset.from_dict({"input_ids": data.tolist(), "labels": data.tolist()})
+    trainer = InOrder(model=model, args=targs, train_dataset=ds, optimizers=(optimizer, scheduler),
+                      zero_plugin=ZeroPlugin(stage=args.stage))
+    trainer.train(resume_from_checkpoint=args.load)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    weights = trainer.accelerator.get_state_dict(trainer.model)
+    if rank == 0:
+        save_file({k: v.float().contiguous() for k, v in weights.items()}, args.out + ".safetensors")
+        with open(args.out, "w") as f:
+            json.dump({"losses": losses, "lr": trainer.lr_scheduler.get_last_lr()}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(0)
 model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 if args.load:
     accelerator.load_state(args.load)
 
-data = torch.randint(0, VOCAB, (16 * GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-per_rank = GLOBAL_BATCH // world
 losses = []
 model.train()
 for step in range(args.first, args.first + args.steps):
