@@ -168,7 +168,9 @@ def start(engine: "ZeroEngine", directory: Path, run: Callable[[], Path]) -> Sav
     previous background save must be finished (`wait_for_save`)."""
     global _exit_hook
     with _lock:
-        saver = _savers.setdefault(engine, _Saver(engine.comm))
+        saver = _savers.get(engine)
+        if saver is None:  # comm_for made it, unless a caller skipped it (one rank: the engine's own Comm)
+            saver = _savers[engine] = _Saver(engine.comm)
         if not _exit_hook:  # registered after the engine's close_at_exit hook, so it runs before the groups close
             _exit_hook = True
             atexit.register(_wait_at_exit)
