@@ -432,3 +432,46 @@ def test_export_dcp_refuses_a_folder_with_files(hf_zero_checkpoint, tmp_path):
     with pytest.raises(CheckpointError, match="exists and is not an empty folder"):
         export_dcp(hf_zero_checkpoint[0], tmp_path / "busy")
     assert os.listdir(tmp_path / "busy") == ["keep.txt"]
+
+
+@pytest.mark.parametrize("kind, layout", [("gpt2", "torch"), ("llama", "accelerate")])
+def test_consolidate_a_dcp_folder_gives_save_pretrained_of_the_live_model(tmp_path, kind, layout):
+    """`hf-zero consolidate` on a DCP folder (and `hf-zero convert` then consolidate): the folder from_pretrained
+    loads holds the live model's weights, under save_pretrained's own keys (its output is the reference)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hf_zero.cli import main
+
+    model, opt = _train(kind)
+    folder = _save(model, opt, tmp_path / "dcp", layout)
+    model.save_pretrained(tmp_path / "reference")
+    reference = load_file(str(tmp_path / "reference" / "model.safetensors"))
+    for route in ("consolidate", "convert"):
+        out = tmp_path / f"out-{route}"
+        if route == "consolidate":
+            assert main(["consolidate", folder, str(out), "--config", str(tmp_path / "reference")]) == 0
+        else:
+            assert main(["convert", folder, str(tmp_path / "converted")]) == 0
+            assert main(["consolidate", str(tmp_path / "converted"), str(out), "--config",
+                         str(tmp_path / "reference")]) == 0
+        got = load_file(str(out / "model.safetensors"))
+        assert sorted(got) == sorted(reference), route
+        for name, value in reference.items():
+            assert torch.equal(got[name], value), (route, name)
+        loaded = AutoModelForCausalLM.from_pretrained(out)
+        for name, value in model.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], value), (route, name)
+
+
+def test_the_manifest_records_every_parameters_group_not_only_rank_0s(hf_zero_checkpoint):
+    """A 2-rank stage-3 save: the manifest's param_group_of names every trained parameter with the group the user's
+    optimizer put it in (it used to hold rank 0's segments only)."""
+    from hf_zero.checkpoint import read_manifest
+
+    folder, _ = hf_zero_checkpoint
+    model = models.make_model("gpt2")
+    opt = models.make_optimizer(model)
+    name_of = {id(p): n for n, p in model.named_parameters()}  # tied: the first name, as the engine's slots
+    expected = {name_of[id(p)]: gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
+    assert read_manifest(folder)["optimizer"]["param_group_of"] == expected

@@ -120,6 +120,28 @@ class _Saver:
         self.comm = None
 
 
+class _EngineSide:
+    """What the engine calls as `engine.background_save` (the engine imports nothing of the checkpoint layer)."""
+
+    def __init__(self, engine: "ZeroEngine") -> None:
+        self._engine = weakref.ref(engine)  # the engine owns this; a strong reference back would keep it alive
+
+    def wait(self) -> Optional[Path]:
+        engine = self._engine()
+        return wait_for_save(engine) if engine is not None else None
+
+    def close(self) -> None:
+        engine = self._engine()
+        if engine is not None:
+            close(engine)
+
+
+def _new_saver(engine: "ZeroEngine", comm: "Comm") -> _Saver:
+    saver = _savers[engine] = _Saver(comm)
+    engine.background_save = _EngineSide(engine)
+    return saver
+
+
 _savers: "weakref.WeakKeyDictionary[Any, _Saver]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _exit_hook = False
@@ -146,7 +168,7 @@ def comm_for(engine: "ZeroEngine") -> "Comm":
         comm = Comm(group)  # registers itself for release at exit (engine/exit.py)
     with _lock:
         if saver is None:
-            saver = _savers[engine] = _Saver(comm)
+            saver = _new_saver(engine, comm)
         saver.comm = comm
     return comm
 
@@ -170,7 +192,7 @@ def start(engine: "ZeroEngine", directory: Path, run: Callable[[], Path]) -> Sav
     with _lock:
         saver = _savers.get(engine)
         if saver is None:  # comm_for made it, unless a caller skipped it (one rank: the engine's own Comm)
-            saver = _savers[engine] = _Saver(engine.comm)
+            saver = _new_saver(engine, engine.comm)
         if not _exit_hook:  # registered after the engine's close_at_exit hook, so it runs before the groups close
             _exit_hook = True
             atexit.register(_wait_at_exit)

@@ -6,7 +6,8 @@ Where DeepSpeed puts each parameter's elements, from the folder's own records (n
   and Adam's step. The model-states file records `param_shapes` (per parameter group, in flat order), the
   frozen parameters, the ties (`shared_params`) and the buffers (in `module`).
 - Stages 1-2 (`single_partition_of_fp32_groups`): per parameter group the parameters lie one after another in
-  one flat space, padded at the end, cut into `partition_count` equal partitions; rank r holds partition r. The
+  one flat space cut into `partition_count` partitions, rank r holding partition r (equal and padded at the end
+  under ZeRO's optimizer; under BF16_Optimizer the last one is short). The
   file's `param_slice_mappings` (where each parameter's fragment starts in the rank's partition) is checked
   against that layout, so a layout DeepSpeed changed is an error naming the parameter, not wrong weights.
 - Stage 3 (`fp32_flat_groups`): every parameter is split on its own into ceil(numel / W) elements per rank (the
@@ -158,35 +159,35 @@ class DeepSpeedSource(ForeignSource):
         if any(len(s) != len(shapes) for s in sizes):
             raise CheckpointError(f"{self.folder}: the optimizer files hold {len(sizes[0])} parameter groups, "
                                   f"param_shapes {len(shapes)}: files from different runs")
-        base = 0
+        bases = [0] * self.ranks  # where group gi starts in each rank's concatenated flat tensors
         for gi, group in enumerate(shapes):
-            part = sizes[0][gi]
-            if any(s[gi] != part for s in sizes):
-                raise CheckpointError(f"{self.folder}: parameter group {gi}'s partitions differ in size across ranks "
-                                      f"({[s[gi] for s in sizes]}): damaged or mixed files")
+            # rank r holds [starts[r], starts[r] + parts[r]) of the group's flat space (BF16_Optimizer leaves the
+            # last rank's partition short instead of padding it)
+            parts = [s[gi] for s in sizes]
+            starts = [sum(parts[:r]) for r in range(self.ranks)]
             offset = 0
             for p in (q for q in trainable if q.group == gi):
                 pieces = []
                 for r in range(self.ranks):
-                    a, b = max(offset, r * part), min(offset + p.numel, (r + 1) * part)
+                    a, b = max(offset, starts[r]), min(offset + p.numel, starts[r] + parts[r])
                     if a < b:
-                        pieces.append((r, base + a - r * part, a - offset, b - a))
+                        pieces.append((r, bases[r] + a - starts[r], a - offset, b - a))
                 self._pieces[p.name] = pieces
                 offset += p.numel
-            if offset > part * self.ranks:
+            if offset > sum(parts):
                 raise CheckpointError(f"{self.folder}: parameter group {gi} needs {offset} elements, its "
-                                      f"{self.ranks} partitions hold {part * self.ranks}: files from different runs")
-            self._check_mappings(gi, group, base)
-            base += part
+                                      f"{self.ranks} partitions hold {sum(parts)}: files from different runs")
+            self._check_mappings(gi, group, bases)
+            bases = [b + n for b, n in zip(bases, parts)]
 
-    def _check_mappings(self, gi: int, group: Dict[str, Any], base: int) -> None:
+    def _check_mappings(self, gi: int, group: Dict[str, Any], bases: List[int]) -> None:
         """Stages 1-2: the file's own fragment records must match the layout read from param_shapes."""
         for r in range(self.ranks):
             mappings = self._optim(r).get("param_slice_mappings")
             if not mappings or gi >= len(mappings):
                 continue
             for name, frag in mappings[gi].items():
-                pieces = [(off - base, n) for rank, off, _, n in self._pieces.get(name, ()) if rank == r]
+                pieces = [(off - bases[r], n) for rank, off, _, n in self._pieces.get(name, ()) if rank == r]
                 if (getattr(frag, "start", None), getattr(frag, "numel", None)) not in [(o, n) for o, n in pieces]:
                     raise CheckpointError(
                         f"{self.folder}/{_optim_file(self.folder, r)}: parameter {name} lies at "

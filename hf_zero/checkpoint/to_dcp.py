@@ -50,7 +50,8 @@ def _entries(src: CheckpointSource, manifest: Dict[str, Any], model_key: str,
     """The model's and the optimizer's entries, each read when its batch is written."""
     model: List[Entry] = []
     optim: List[Entry] = []
-    # hf_zero's manifest records rank 0's `param_group_of` only: a parameter it lacks is in no list below
+    # manifests saved before hf_zero recorded every parameter's group hold rank 0's only: a parameter they lack is
+    # in no list below (torch matches a group by any one member)
     groups_of = (manifest.get("optimizer") or {}).get("param_group_of") or {}
     saved = (manifest.get("optimizer") or {}).get("param_groups") or []
     params: Dict[int, List[str]] = {}

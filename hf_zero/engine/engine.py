@@ -11,7 +11,7 @@ import contextlib
 import logging
 import warnings
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -83,6 +83,9 @@ class ZeroEngine:
         elif config.compute_dtype is not None and any(g.plan.trainable for g in self.groups):
             model.register_state_dict_pre_hook(self._warn_compute_copy)
         self._allow_state_dict = False
+        # set by the checkpoint layer at the first background save: wait() and close() on it (engine.py imports
+        # nothing of that layer)
+        self.background_save: Optional[Any] = None
         self.optimizer = ZeroOptimizer(optimizer, self.groups, self.reducer, self.partition_comm, config, self.device,
                                        world=self.comm)
         self.comm.reset_stats()  # the start-up broadcast is not training traffic
@@ -107,15 +110,14 @@ class ZeroEngine:
     def wait_for_save(self) -> Optional[Path]:
         """Wait for the checkpoint save this engine runs in the background (`save_checkpoint(...,
         async_save=True)`), if any: its folder, or CheckpointError if it failed (raised once)."""
-        from ..checkpoint.background import wait_for_save
-        return wait_for_save(self)
+        return self.background_save.wait() if self.background_save is not None else None
 
     def close(self) -> None:
         """Wait for a background checkpoint save (raising its error) and the engine's collectives, and remove its
         hooks (the model keeps its current, possibly sharded, storage)."""
-        from ..checkpoint import background
         try:
-            background.close(self)  # and frees the host copies a background save keeps for the next one
+            if self.background_save is not None:
+                self.background_save.close()  # and frees the host copies a background save keeps for the next one
         finally:
             self.wait()
             self.reducer.remove_hooks()

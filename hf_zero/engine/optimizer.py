@@ -157,10 +157,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 group_of[id(p)] = gi
         segments: List[List[torch.Tensor]] = [[] for _ in user_optimizer.param_groups]
         self.segments: List[Segment] = []
+        # every optimised parameter's user group by name, this rank's or not (a checkpoint's manifest records it)
+        self.param_group_of: Dict[str, int] = {}
         for fg in groups:
             if not fg.plan.trainable:
                 continue
             by_name = {s.name: p for s, p in zip(fg.plan.slots, fg.params)}
+            for slot in fg.plan.slots:
+                if id(by_name[slot.name]) in group_of:
+                    self.param_group_of[slot.name] = group_of[id(by_name[slot.name])]
             for slot, a, b in iter_owned_segments(fg.plan, rank):
                 gi = group_of.get(id(by_name[slot.name]))
                 if gi is None:

@@ -147,7 +147,6 @@ def capture_shard_state(engine: ZeroEngine) -> ShardState:
     opt = engine.optimizer
     groups = [GroupShard(g.plan.index, g.lo, g.hi, g.plan.trainable,
                          g.master if g.plan.trainable else g.frozen_values()) for g in engine.groups]
-    name_of = {id(seg.tensor): seg.slot.name for seg in opt.segments}
     segments = []
     for seg in opt.segments:
         state = {k: v for k, v in opt.state.get(seg.tensor, {}).items() if torch.is_tensor(v)}
@@ -158,7 +157,7 @@ def capture_shard_state(engine: ZeroEngine) -> ShardState:
         segments=segments,
         param_groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         optimizer_class=opt.user_optimizer_class.__name__,
-        param_group_of={name_of[id(p)]: gi for gi, grp in enumerate(opt.param_groups) for p in grp["params"]},
+        param_group_of=dict(opt.param_group_of),
         loss_scaler=engine.scaler.state_dict() if engine.scaler is not None else None,
         buffers={b.names[0]: b.tensor for b in persistent_buffers(engine.model)},
     )
