@@ -19,6 +19,14 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "fo
 pytestmark = pytest.mark.slow
 
 
+def _needs_deepspeed():
+    from hf_zero.tools.bench.deepspeed import unavailable_reason
+
+    reason = unavailable_reason()  # in a subprocess: this process never imports DeepSpeed
+    if reason is not None:
+        pytest.skip(f"needs DeepSpeed to write real checkpoints (the `bench` extra): {reason}")
+
+
 def _launch(tmp, world, *args):
     """`world` ranks of the script; their output in tmp/log.<rank>. Fails the test with rank 0's log tail."""
     backend = args[args.index("--backend") + 1]
@@ -46,6 +54,7 @@ def _launch(tmp, world, *args):
 @pytest.fixture(scope="module", params=[2, 3], ids=["deepspeed_zero2", "deepspeed_zero3"])
 def deepspeed_run(request, tmp_path_factory):
     """A DeepSpeed folder saved after 2 steps, and DeepSpeed's own continuation of it (losses, final weights)."""
+    _needs_deepspeed()
     stage = request.param
     groups = "1" if stage == 3 else "2"  # see foreign_resume.py: DeepSpeed's stage 3 under Accelerate
     tmp = tmp_path_factory.mktemp(f"ds{stage}")
@@ -191,6 +200,7 @@ def test_a_3_rank_deepspeed_folder_with_padding_reads_as_deepspeeds_zero_to_fp32
     at stage 1: the fp32 master is read, not the bf16 weights."""
     from hf_zero.checkpoint.open_foreign import open_foreign
 
+    _needs_deepspeed()
     folder = tmp_path / "saved"
     _launch(tmp_path, 3, "--backend", "deepspeed", "--stage", str(stage), "--groups", "1" if stage == 3 else "2",
             "--steps", "1", "--save", str(folder), "--out", str(tmp_path / "first.json"),

@@ -422,7 +422,7 @@ def test_sets_no_private_attribute_torch_does_not():
     assert "_opt_called" in _private(opt)  # written by torch's scheduler wrapper, as on stock
     assert set(vars(opt)) - set(vars(stock)) == {
         "groups", "reducer", "comm", "config", "device", "world", "scaler", "grads_prepared", "grads_finite",
-        "user_optimizer_class", "segments", "kernel", "inner"}
+        "user_optimizer_class", "segments", "kernel", "inner", "param_group_of"}
     assert set(vars(ZeroOptimizer.step)) == set(vars(type(stock).step)) == {"__wrapped__", "hooked"}
     assert not [k for k in vars(ZeroOptimizer) if k.startswith("_") and not k.startswith("__")
                 and not callable(vars(ZeroOptimizer)[k])]  # no class-level private data either

@@ -78,8 +78,16 @@ def run_convert(args: argparse.Namespace) -> int:
             out = export_dcp(args.src, args.dst, layout=args.layout)
         else:
             from .convert import convert_checkpoint
+            from .source import read_manifest
 
             out = convert_checkpoint(args.src, args.dst, trust=args.trust_pickles, overwrite=args.overwrite)
+            m = read_manifest(out)
+            was = m["converted_from"]
+            print(f"converted {was['description']} ({was['world_size']} ranks, step {m['step']}): "
+                  f"{len(m['groups'])} tensors, {m['model']['num_parameters']:,} parameters with their Adam state "
+                  f"-> {out}, an hf_zero checkpoint: load_checkpoint(engine, {str(out)!r}) at any world size and "
+                  f"stage, or place it as zero_shards/ of a save_state folder")
+            return 0
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         print(f"hf-zero convert: error: {exc}", file=sys.stderr)
         return 1

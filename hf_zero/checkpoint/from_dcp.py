@@ -35,7 +35,7 @@ from torch import nn
 
 from .foreign import TRUST, ForeignCheckpoint, inspect_foreign, read_dcp_metadata
 from .foreign_source import ADAM_STATE, ForeignSource, ParamInfo
-from .pickles import UntrustedPickleError, _refusal, load_without_code
+from .pickles import UntrustedPickleError, refusal_reason, load_without_code
 from .source import CheckpointError
 
 __all__ = ["ACCELERATE_MODEL_DIR", "ACCELERATE_OPTIMIZER_DIR", "DcpSource", "inspect_fsdp2_output",
@@ -383,7 +383,7 @@ class DcpSource(ForeignSource):
             text = str(exc)
             if isinstance(exc, pickle.UnpicklingError) or "Weights only load failed" in text:
                 raise UntrustedPickleError(  # DCP writes a tensor as weights-only data: trusting would not help
-                    f"{where}: refused to unpickle {key} ({_refusal(exc)}): DCP never writes a tensor that needs "
+                    f"{where}: refused to unpickle {key} ({refusal_reason(exc)}): DCP never writes a tensor that needs "
                     f"more than torch.load(weights_only=True); a damaged or hostile data file") from None
             raise CheckpointError(f"{where}: reading {key} failed ({type(exc).__name__}: "
                                   f"{text.strip().splitlines()[0] if text.strip() else ''}): damaged data file?") \

@@ -224,16 +224,21 @@ class DeepSpeedSource(ForeignSource):
         if kind == "values":
             return list(opt["fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"])
         key = kind.split(".", 1)[1]
-        inner = opt.get("optimizer_state_dict") if self.stage == 3 else opt.get("base_optimizer_state")
-        state = inner.get("state") if isinstance(inner, dict) else None
-        if isinstance(inner, list):  # elastic-off stages 1-2 in older DeepSpeed: a list of per-group states
-            state = dict(enumerate(inner))
+        state = self._state(rank)
         if not state:
             return None
         tensors = [state[i].get(key) if i in state else None for i in sorted(state)]
         if any(t is None for t in tensors):
             return None
         return tensors
+
+    def _state(self, rank: int) -> Dict[int, Dict[str, Any]]:
+        """The rank's optimizer state per group (stages 1-2) or sub-group (stage 3), by index."""
+        opt = self._optim(rank)
+        inner = opt.get("optimizer_state_dict") if self.stage == 3 else opt.get("base_optimizer_state")
+        if isinstance(inner, list):  # non-elastic stages 1-2 in older DeepSpeed: a list of per-group states
+            return dict(enumerate(inner))
+        return (inner.get("state") if isinstance(inner, dict) else None) or {}
 
     def _flat_of(self, rank: int, kind: str) -> Optional[List[Tuple[int, torch.Tensor]]]:
         tensors = self._rank_tensors(rank, kind)
@@ -266,20 +271,16 @@ class DeepSpeedSource(ForeignSource):
         return torch.cat(parts) if parts else torch.empty(0)
 
     def _scalar(self, p: ParamInfo, key: str) -> Optional[float]:
+        """`key` (Adam's step) of the group or sub-group whose flat tensor holds the parameter's first piece."""
         rank, off, _, _ = self._pieces[p.name][0]
-        tensors = None
-        opt = self._optim(rank)
-        inner = opt.get("optimizer_state_dict") if self.stage == 3 else opt.get("base_optimizer_state")
-        state = inner.get("state") if isinstance(inner, dict) else dict(enumerate(inner or []))
-        flats = self._rank_tensors(rank, "values") or []
+        state = self._state(rank)
         start = 0
-        for i, t in enumerate(flats):
+        for i, t in enumerate(self._rank_tensors(rank, "values") or []):
             if start <= off < start + t.numel():
                 value = (state.get(i) or {}).get(key)
-                tensors = value
-                break
+                return float(value) if value is not None else None
             start += t.numel()
-        return float(tensors) if tensors is not None else None
+        return None
 
     def _frozen(self, p: ParamInfo) -> torch.Tensor:
         if self.stage != 3:

@@ -18,7 +18,7 @@ import torch
 
 from .source import CheckpointError
 
-__all__ = ["UntrustedPickleError", "load_without_code", "untrusted_error"]
+__all__ = ["UntrustedPickleError", "load_without_code", "refusal_reason", "untrusted_error"]
 
 
 class UntrustedPickleError(CheckpointError):
@@ -40,7 +40,7 @@ def _numpy_data_types() -> List[Any]:
     return allowed
 
 
-def _refusal(exc: BaseException) -> str:
+def refusal_reason(exc: BaseException) -> str:
     """The reason in torch's weights-only error, without its advice to load with weights_only=False or to allow
     the refused global (which is the payload). torch words it two ways: "WeightsUnpickler error: ..." and, for a
     global of a module it blocks outright (os, posix, subprocess, ...), "Trying to load unsupported GLOBAL ...".
@@ -56,7 +56,7 @@ def untrusted_error(f: Any, exc: BaseException, opt_in: str) -> UntrustedPickleE
     """The refusal of file `f` (a path or an open file), naming it and `opt_in`."""
     name = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", repr(f))
     return UntrustedPickleError(
-        f"{name}: refused to unpickle ({_refusal(exc)}). hf_zero reads checkpoint files with "
+        f"{name}: refused to unpickle ({refusal_reason(exc)}). hf_zero reads checkpoint files with "
         f"torch.load(weights_only=True) so that a folder cannot run code; this file needs full unpickling, "
         f"which runs whatever code it holds. If you trust whoever wrote the folder, pass {opt_in}; or allow "
         f"just the classes it needs with torch.serialization.add_safe_globals([...])")
