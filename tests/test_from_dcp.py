@@ -16,12 +16,10 @@ DCP (checkpoint/to_dcp.py).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import pickle
 import shutil
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +28,7 @@ import torch.distributed as dist
 import models
 from _dist import run_scenarios
 from hf_zero.checkpoint import CheckpointError
-from hf_zero.checkpoint.foreign import inspect_foreign, read_dcp_metadata
+from hf_zero.checkpoint.foreign import read_dcp_metadata
 from hf_zero.checkpoint.from_dcp import DcpSource, parameter_names
 from hf_zero.checkpoint.open_foreign import open_foreign
 from hf_zero.checkpoint.pickles import UntrustedPickleError
@@ -283,17 +281,11 @@ def fsdp2_train(rank, world_size, folder):
 
 def hf_zero_resume(rank, world_size, folder, stage):
     from hf_zero import ZeroConfig, shard_model
-    from hf_zero.checkpoint import load_checkpoint, sharded
+    from hf_zero.checkpoint import load_checkpoint
 
     model = models.make_model("gpt2", seed=7)  # another start: only the load can make it right
     engine = shard_model(model, models.make_optimizer(model), ZeroConfig(stage=stage))
-    if "open_foreign" in inspect.getsource(sharded.stage_checkpoint):
-        manifest = load_checkpoint(engine, folder)
-    else:  # until the loader opens foreign folders itself: the same read, by hand
-        src = DcpSource(inspect_foreign(folder), parameters=parameter_names(engine.model))
-        src.m["optimizer"]["class"] = "AdamW"
-        engine.load_shard_state(sharded._stage(engine, src, Path(folder)))
-        manifest = src.m
+    manifest = load_checkpoint(engine, folder)
     batches = models.make_batches(SAVED_AT + MORE, 1)
     losses = []
     for step in range(SAVED_AT, SAVED_AT + MORE):
@@ -475,3 +467,18 @@ def test_the_manifest_records_every_parameters_group_not_only_rank_0s(hf_zero_ch
     name_of = {id(p): n for n, p in model.named_parameters()}  # tied: the first name, as the engine's slots
     expected = {name_of[id(p)]: gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
     assert read_manifest(folder)["optimizer"]["param_group_of"] == expected
+
+
+@pytest.mark.parametrize("layout", ["torch", "accelerate", "torchtitan"])
+def test_looks_foreign_sees_each_dcp_layout_and_not_other_folders(tmp_path, layout):
+    """What load_state and the Trainer's resume take for a foreign folder (by its file names alone): every DCP
+    layout; not an empty folder, a save_pretrained folder or an hf_zero checkpoint's parent."""
+    from hf_zero.checkpoint.foreign import looks_foreign
+
+    model, opt = _train("llama")
+    assert looks_foreign(_save(model, opt, tmp_path / "dcp", layout))
+    (tmp_path / "empty").mkdir()
+    model.save_pretrained(tmp_path / "pretrained")
+    (tmp_path / "state" / "zero_shards").mkdir(parents=True)
+    for other in ("empty", "pretrained", "state", "missing"):
+        assert not looks_foreign(str(tmp_path / other)), other
