@@ -224,3 +224,15 @@ def test_reading_and_exporting_a_deepspeed_folder_never_imports_deepspeed(deepsp
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "False []"
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_model_parallel_deepspeed_folder_is_refused_by_name(tmp_path):
+    """Files of two model-parallel ranks (Megatron-style tensor parallelism): named as such, before any is read."""
+    step = tmp_path / "global_step3"
+    step.mkdir()
+    (tmp_path / "latest").write_text("global_step3")
+    for dp in (0, 1):
+        for mp in (0, 1):
+            (step / f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"2 model-parallel ranks \(mp_rank \[0, 1\]\).*data-parallel ZeRO"):
+        inspect_foreign(str(tmp_path))

@@ -188,7 +188,13 @@ def inspect_foreign(folder: str, trust: bool = False) -> Optional[ForeignCheckpo
     if not (os.path.isfile(os.path.join(folder, "latest")) or _has_rank_files(folder)):
         return None
     step_folder, step = _deepspeed_step_folder(folder)
-    ranks = sorted(int(m.group(1)) for n in os.listdir(step_folder) if (m := _RANK_FILE.match(n)))
+    found = [(int(m.group(1)), int(m.group(2))) for n in os.listdir(step_folder) if (m := _RANK_FILE.match(n))]
+    model_parallel = sorted({mp for _, mp in found})
+    if model_parallel != [0]:
+        raise CheckpointError(f"{step_folder}: a DeepSpeed checkpoint of {len(model_parallel)} model-parallel ranks "
+                              f"(mp_rank {model_parallel}): hf_zero reads data-parallel ZeRO checkpoints only "
+                              f"(mp_rank_00); merge the tensor-parallel shards first")
+    ranks = sorted(dp for dp, _ in found)
     world = len(ranks)
     if ranks != list(range(world)):
         raise CheckpointError(f"{step_folder}: DeepSpeed optimizer states for ranks {ranks}, not 0..{world - 1}: "
