@@ -73,6 +73,8 @@ def test_hf_zero_on_3_ranks_continues_a_deepspeed_run_as_deepspeed_does(deepspee
     _launch(tmp, 3, "--backend", "zero", "--stage", str(zero_stage), "--groups", groups, "--first", "2",
             "--steps", "2", "--load", str(folder), "--out", str(out))
     ref, mine = json.loads((tmp / "continued.json").read_text()), json.loads(out.read_text())
+    assert (f"hf_zero: found a DeepSpeed ZeRO-{ds_stage} checkpoint, 2 ranks, step 2 -> this run: stage "
+            f"{zero_stage}, 3 ranks") in (tmp / "log.zero.0").read_text()
     assert mine["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=0)
     assert mine["lr"] == pytest.approx(ref["lr"], rel=1e-12)  # the scheduler resumed where DeepSpeed's was
     ref_w = load_file(str(tmp / "continued.json.safetensors"))  # DeepSpeed's zero_to_fp32 of its final state

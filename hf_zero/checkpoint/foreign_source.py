@@ -19,10 +19,22 @@ import torch
 
 from .source import CheckpointError
 
-__all__ = ["ADAM_STATE", "ForeignSource", "ParamInfo"]
+__all__ = ["ADAM_STATE", "HYPER_PARAMETERS", "ForeignSource", "ParamInfo", "json_value"]
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq")  # torch's Adam and AdamW (and DeepSpeed's Adam) per-element state
+# the parameter-group keys a foreign checkpoint's groups hand on (torch's Adam/AdamW, and a scheduler's initial_lr)
+HYPER_PARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
+                    "differentiable", "fused", "decoupled_weight_decay", "initial_lr")
 ADAM_CLASSES = ("Adam", "AdamW")
+
+
+def json_value(value: Any) -> Any:
+    """A hyper-parameter as JSON data: a tensor as its number (or list), a tuple as a list."""
+    if torch.is_tensor(value):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, tuple):
+        return [json_value(v) for v in value]
+    return value
 
 
 def _config_files(folder: str) -> Dict[str, bytes]:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .foreign import TRUST, ForeignCheckpoint, inspect_foreign, read_dcp_metadata
-from .foreign_source import ADAM_STATE, ForeignSource, ParamInfo
+from .foreign_source import ADAM_STATE, HYPER_PARAMETERS, ForeignSource, ParamInfo, json_value
 from .pickles import UntrustedPickleError, refusal_reason, load_without_code
 from .source import CheckpointError
 
@@ -43,8 +43,6 @@ __all__ = ["ACCELERATE_MODEL_DIR", "ACCELERATE_OPTIMIZER_DIR", "DcpSource", "ins
 
 ACCELERATE_MODEL_DIR = "pytorch_model_fsdp_0"  # Accelerate's FSDP_MODEL_NAME + "_0"
 ACCELERATE_OPTIMIZER_DIR = "optimizer_0"  # OPTIMIZER_NAME + "_0"
-_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable", "differentiable",
-          "fused", "decoupled_weight_decay", "initial_lr")
 _OPTIM_PREFIXES = ("optim.", "optimizer.")
 _NOT_MODEL = ("optim.", "optimizer.", "lr_scheduler", "dataloader", "train_state")  # torchtitan's other states
 _DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -107,14 +105,6 @@ class _Part:
     def file(self, relative_path: str) -> str:
         """The file's name relative to the checkpoint's root (what files_for lists and open_file takes)."""
         return f"{self.sub}/{relative_path}" if self.sub else relative_path
-
-
-def _plain(value: Any) -> Any:
-    if torch.is_tensor(value):
-        return value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    return value
 
 
 class DcpSource(ForeignSource):
@@ -270,7 +260,7 @@ class DcpSource(ForeignSource):
                    for n in model if n not in taken]
         # parameter groups
         if nested:
-            groups = [{hp: _plain(self._value(k)) for hp, k in nested[gi].items() if hp in _HYPER}
+            groups = [{hp: json_value(self._value(k)) for hp, k in nested[gi].items() if hp in HYPER_PARAMETERS}
                       for gi in sorted(nested)]
             index = {gi: i for i, gi in enumerate(sorted(nested))}
             for p in params:
@@ -280,7 +270,7 @@ class DcpSource(ForeignSource):
             for p in params:
                 if p.name not in flat:
                     continue
-                hp = {h: _plain(self._value(k)) for h, k in flat[p.name].items() if h in _HYPER}
+                hp = {h: json_value(self._value(k)) for h, k in flat[p.name].items() if h in HYPER_PARAMETERS}
                 sig = repr(sorted(hp.items()))
                 if sig not in seen:
                     seen[sig] = len(groups)

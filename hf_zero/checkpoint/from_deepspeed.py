@@ -24,13 +24,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .foreign import ForeignCheckpoint, read_deepspeed_file
-from .foreign_source import ADAM_STATE, ForeignSource, ParamInfo
+from .foreign_source import ADAM_STATE, HYPER_PARAMETERS, ForeignSource, ParamInfo, json_value
 from .source import CheckpointError
 
 __all__ = ["DeepSpeedSource"]
-
-_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable", "differentiable",
-          "fused", "decoupled_weight_decay", "initial_lr")
 
 
 def _model_states_file(folder: str, rank: int) -> Optional[str]:
@@ -46,14 +43,6 @@ def _optim_file(folder: str, rank: int) -> str:
             return name
     raise CheckpointError(f"{folder}: DeepSpeed optimizer states of rank {rank} are missing "
                           f"(zero_pp_rank_{rank}_mp_rank_00_optim_states.pt): copy every rank's file")
-
-
-def _plain(value: Any) -> Any:
-    if torch.is_tensor(value):
-        return value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    return value
 
 
 class DeepSpeedSource(ForeignSource):
@@ -202,7 +191,7 @@ class DeepSpeedSource(ForeignSource):
             return [{} for _ in range(count)]
         if self.stage == 3 and len(saved) != count:
             saved = self._first_sub_groups(saved, params, count)
-        return [{k: _plain(v) for k, v in g.items() if k in _HYPER} for g in saved]
+        return [{k: json_value(v) for k, v in g.items() if k in HYPER_PARAMETERS} for g in saved]
 
     def _first_sub_groups(self, saved: List[Dict[str, Any]], params: List[ParamInfo],
                           count: int) -> List[Dict[str, Any]]:

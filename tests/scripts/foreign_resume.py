@@ -8,6 +8,7 @@ weights (DeepSpeed: its own zero_to_fp32 on a final save; hf_zero: its consolida
 """
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -28,6 +29,8 @@ p.add_argument("--hidden", type=int, default=16, help="the model's width (anothe
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
+logging.basicConfig(level=logging.WARNING)
+logging.getLogger("hf_zero").setLevel(logging.INFO)  # what load_state found, as a user who asks for it sees it
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 os.environ["LOCAL_RANK"] = str(rank)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
