@@ -38,11 +38,12 @@ def _model_states_file(folder: str, rank: int) -> Optional[str]:
 
 
 def _optim_file(folder: str, rank: int) -> str:
-    for name in (f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"):
+    plain = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    for name in (plain, f"bf16_{plain}"):  # bf16_: DeepSpeed's BF16_Optimizer
         if os.path.isfile(os.path.join(folder, name)):
             return name
-    raise CheckpointError(f"{folder}: DeepSpeed optimizer states of rank {rank} are missing "
-                          f"(zero_pp_rank_{rank}_mp_rank_00_optim_states.pt): copy every rank's file")
+    raise CheckpointError(f"{folder}: DeepSpeed optimizer states of rank {rank} are missing ({plain}): copy every "
+                          f"rank's file")
 
 
 class DeepSpeedSource(ForeignSource):
@@ -73,7 +74,8 @@ class DeepSpeedSource(ForeignSource):
         params = [ParamInfo(name, list(shape), "float32", True, gi, ties.get(name, ()))
                   for gi, group in enumerate(shapes) for name, shape in group.items()]
         frozen = model.get("frozen_param_shapes") or {}
-        params += [ParamInfo(name, list(shape), "float32", False, 0, ties.get(name, ())) for name, shape in frozen.items()]
+        params += [ParamInfo(name, list(shape), "float32", False, 0, ties.get(name, ()))
+                   for name, shape in frozen.items()]
         self._pieces: Dict[str, List[Tuple[int, int, int, int]]] = {}  # name -> (rank, rank offset, param lo, count)
         self._steps: List[List[Tuple[int, int, Optional[float]]]] = []  # per rank: (start, end, step) of its state
         self._layout(params, shapes)
