@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import models
 from _dist import run_scenarios
+from test_foreign import _Payload, _snapshot
 from hf_zero.checkpoint import CheckpointError
 from hf_zero.checkpoint.foreign import read_dcp_metadata
 from hf_zero.checkpoint.from_dcp import DcpSource, parameter_names
@@ -128,20 +129,6 @@ def test_frozen_parameter_needs_the_model_to_tell_it_from_a_buffer(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ hostile folders
-class _Payload:
-    """Unpickling this runs `os.system(command)`: what a hostile folder would plant."""
-
-    def __init__(self, command):
-        self.command = command
-
-    def __reduce__(self):
-        return os.system, (self.command,)
-
-
-def _snapshot(folder):
-    return {os.path.join(d, n): open(os.path.join(d, n), "rb").read() for d, _, names in os.walk(folder) for n in names}
-
-
 @pytest.fixture()
 def saved(tmp_path):
     model, opt = _train("gpt2", steps=1)

@@ -11,6 +11,7 @@ checkpoints already use. Nothing here writes; nothing runs code from the folder 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -77,10 +78,7 @@ class ParamInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 class ForeignSource:

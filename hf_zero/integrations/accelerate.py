@@ -22,7 +22,7 @@ import pickle
 import re
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 from accelerate import Accelerator
@@ -406,15 +406,25 @@ class HfZeroAccelerator(Accelerator):
         # All or nothing: the shards are read and checked on every rank first; Accelerate's part (schedulers, RNG,
         # samplers, custom objects) is undone if it fails on any rank; only then does the engine change.
         _, staged = stage_checkpoint(self.zero_engine, shards)
+
+        def rest() -> None:
+            with self._without(models=True, optimizers=True):
+                self._load_accelerate_state(input_dir, load_kwargs, trust, **load_model_func_kwargs)
+
+        self._apply(staged, rest, f"load_state({input_dir})")
+
+    def _apply(self, staged: Any, rest: Callable[[], None], what: str) -> None:
+        """Collective. Run `rest()` (Accelerate's part: schedulers, RNG, samplers, custom objects), undo it if it
+        failed on any rank (raised on every rank, not left to hang the others in the next collective), and only
+        then give the engine the `staged` shards."""
         before = self._restorable_state()
         error = None
         try:
-            with self._without(models=True, optimizers=True):
-                self._load_accelerate_state(input_dir, load_kwargs, trust, **load_model_func_kwargs)
-        except Exception as exc:  # raised on every rank, not left to hang the others in the next collective
+            rest()
+        except Exception as exc:
             error = exc
         try:
-            raise_if_any_failed(error, f"load_state({input_dir})", CheckpointError)
+            raise_if_any_failed(error, what, CheckpointError)
         except CheckpointError:
             self._restore_state(before)
             raise
@@ -426,12 +436,11 @@ class HfZeroAccelerator(Accelerator):
         master and Adam state resharded onto this run's engine (`stage_checkpoint` reads them with no code run),
         the LR scheduler from the folder's own record (DeepSpeed keeps it in its model states), and Accelerate's
         RNG, sampler and custom states where the folder has them. All or nothing, as for hf_zero's own folders."""
-        manifest, staged = stage_checkpoint(self.zero_engine, folder, trust=trust)  # the source's description
-        before = self._restorable_state()
-        error = None
-        try:
-            from accelerate.utils import SCHEDULER_NAME
+        from accelerate.utils import SCHEDULER_NAME
 
+        manifest, staged = stage_checkpoint(self.zero_engine, folder, trust=trust)  # the source's description
+
+        def rest() -> None:
             # Accelerate writes scheduler.bin beside a DeepSpeed checkpoint unless DeepSpeed was handed the
             # scheduler, which then lives in DeepSpeed's model states
             accelerate_wrote = os.path.isfile(os.path.join(folder, f"{SCHEDULER_NAME}.bin"))
@@ -447,14 +456,8 @@ class HfZeroAccelerator(Accelerator):
                 self._schedulers[0].load_state_dict(scheduler_state)
             if manifest.get("step") is not None and not os.path.isfile(os.path.join(folder, "random_states_0.pkl")):
                 self.step = int(manifest["step"]) * max(1, self.gradient_accumulation_steps)
-        except Exception as exc:  # raised on every rank, not left to hang the others in the next collective
-            error = exc
-        try:
-            raise_if_any_failed(error, f"load_state({folder})", CheckpointError)
-        except CheckpointError:
-            self._restore_state(before)
-            raise
-        self.zero_engine.load_shard_state(staged)
+
+        self._apply(staged, rest, f"load_state({folder})")
 
     def _restorable_state(self) -> Dict[str, Any]:
         """What Accelerate's load_state changes besides models and optimizers, copied so a failed load can put it
