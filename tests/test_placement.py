@@ -62,12 +62,123 @@ def test_a_model_without_parameters():
 
 
 def test_offload_does_not_move_the_compute_device():
-    """CPU offload keeps the master and optimizer states in host memory; the compute device is the rule's, which
-    takes no offload setting: a meta model loading under NCCL computes on CUDA with or without offload."""
+    """The rule takes no offload setting: a meta model loading under NCCL computes on CUDA with or without offload
+    (where offload puts each model state is checked on a real engine below)."""
     import inspect
 
     assert "offload" not in inspect.signature(compute_device).parameters
-    assert compute_device(MIXED, META, loading=True, cuda_available=True) == CUDA0
+
+
+# ------------------------------------------------------------------------------------------ offload on an engine
+N, RANK = 3, 1  # rank 1 of 3: a shard that starts inside the flat buffers, and padding (the counts are not 3k)
+# (stage, offload_optimizer, offload_params, mixed_precision); the last is the control: nothing offloaded
+OFFLOADS = [(3, "cpu", "cpu", "bf16"), (3, "cpu", "none", "no"), (2, "cpu", "none", "bf16"), (3, "none", "none", "no")]
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    """The tests' tiny Llama written by save_pretrained, and its parameters (the reference values)."""
+    import models
+
+    model = models.make_model("llama")
+    folder = tmp_path_factory.mktemp("placement")
+    model.save_pretrained(folder)
+    return folder, model
+
+
+@pytest.mark.parametrize("stage,offload_optimizer,offload_params,mp", OFFLOADS)
+def test_offload_places_each_model_state_where_the_config_says(saved_llama, stage, offload_optimizer,
+                                                               offload_params, mp):
+    """A meta model loaded into shards by shard_model(weights=...) as rank 1 of 3 (torch's `fake` backend: the
+    collectives return at once, the other ranks are not there), then one backward and one step. Where each model
+    state lands is what docs/offload.md and the config's help say, whatever the engine reports about itself:
+
+    - the model's parameters, the gradient shards: the compute device (the placement rule: a meta model loading
+      under a backend that runs CUDA collectives on something other than gloo computes on the current GPU when
+      there is one, else on the CPU); parameters in the compute dtype, gradients accumulated in fp32;
+    - parameter shards: host memory with offload_params="cpu", else the compute device;
+    - the fp32 master shard and Adam's exp_avg / exp_avg_sq: host memory with offload_optimizer="cpu" (the master a
+      copy of its own, pinned when the compute device is a GPU), else the compute device; the optimizer steps views
+      of the master (its segments share the master's storage);
+    - the values loaded: the master is the rank's range of the flat fp32 weights of the saved files, counted here
+      from the reference model (tests/_flat_layout.py), padding zero; the shard the same in the compute dtype;
+    - memory_stats()["offloaded"]: the bytes of the host-resident states of the first-principles count.
+
+    Without a GPU the compute device is the host too: there the devices catch a state left on meta or put on a
+    wrong device, and the values, dtypes, pinning, views and byte counts do the rest; on a GPU machine (the
+    `fake` backend names CUDA) the same test tells the compute device from host memory.
+    """
+    import models
+    from _flat_layout import layout, state_bytes
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import AutoModelForCausalLM
+
+    import hf_zero
+    from hf_zero import ZeroConfig, shard_model
+
+    folder, reference = saved_llama
+    host = CPU
+    compute = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else CPU
+    dtype = {"no": torch.float32, "bf16": torch.bfloat16}[mp]
+    where = {"master": host if offload_optimizer == "cpu" else compute,
+             "shard": host if offload_params == "cpu" else compute}
+    config = ZeroConfig(stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
+                        mixed_precision=mp)
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=N)
+    try:
+        with hf_zero.parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(models._config("llama"), attn_implementation="eager")
+        engine = shard_model(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config, weights=folder)
+        assert engine.device == compute
+        # the loaded values, against the flat layout counted from the reference model
+        ref = dict(reference.named_parameters())
+        count = {tuple(s[0] for s in g.slots): g for g in layout(reference, N, None if mp == "no" else dtype)}
+        assert len(count) == len(engine.groups)
+        for g in engine.groups:
+            c = count[tuple(s.name for s in g.plan.slots)]
+            flat = torch.zeros(c.padded)
+            for name, _, offset, numel in c.slots:
+                flat[offset:offset + numel] = ref[name].detach().reshape(-1)
+            lo, hi = RANK * c.shard, (RANK + 1) * c.shard
+            assert g.shard.device == where["shard"] and g.shard.dtype == dtype, g.plan.index
+            assert g.shard.is_pinned() == (g.shard.device == host != compute)  # async copies to a GPU
+            assert torch.equal(g.shard.cpu(), flat[lo:hi].to(dtype)), f"group {g.plan.index}: shard values"
+            if stage < 3:  # the whole flat compute buffer, the parameters' storage
+                assert g.full.device == compute and torch.equal(g.full.cpu(), flat.to(dtype)), g.plan.index
+            assert g.master.device == where["master"] and g.master.dtype == torch.float32
+            assert torch.equal(g.master.cpu(), flat[lo:hi]), f"group {g.plan.index}: master values"
+            if offload_optimizer == "cpu":
+                assert g.master.data_ptr() != g.shard.data_ptr()  # its own host copy, the step's input and output
+                assert g.master.is_pinned() == (compute.type == "cuda")
+        # one micro-batch and the step (the fake collectives leave the gathered values undefined: placement only)
+        ids = torch.randint(0, models.VOCAB, (2, 8), device=compute)
+        engine.backward(model(input_ids=ids, labels=ids).loss)
+        engine.optimizer.step()
+        for name, p in model.named_parameters():
+            assert p.device == compute and p.dtype == dtype, name
+        masters = {g.master.untyped_storage().data_ptr() for g in engine.groups}
+        for g in engine.groups:
+            assert g.grad_shard.device == compute and g.grad_shard.dtype == torch.float32, g.plan.index
+            assert g.grad_shard.numel() == g.plan.shard_numel
+        states = 0
+        for group in engine.optimizer.param_groups:
+            for seg in group["params"]:
+                assert seg.untyped_storage().data_ptr() in masters, "an optimizer segment is not a view of a master"
+                st = engine.optimizer.state[seg]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert st[key].device == where["master"] and st[key].dtype == torch.float32, key
+                    assert st[key].shape == seg.shape
+                states += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+        want = state_bytes(reference, N, stage, RANK, mixed_precision=mp)
+        assert states == want["optimizer_states"]
+        master = want["master"] if mp != "no" else (want["params"] if offload_optimizer == "cpu" else 0)
+        offloaded = (master + want["optimizer_states"] if offload_optimizer == "cpu" else 0) + (
+            want["params"] if offload_params == "cpu" else 0)
+        assert engine.memory_stats()["offloaded"] == offloaded
+        engine.close()
+    finally:
+        dist.destroy_process_group()
 
 
 def _init(backend, **kw):
