@@ -422,7 +422,7 @@ def test_sets_no_private_attribute_torch_does_not():
     assert "_opt_called" in _private(opt)  # written by torch's scheduler wrapper, as on stock
     assert set(vars(opt)) - set(vars(stock)) == {
         "groups", "reducer", "comm", "config", "device", "world", "scaler", "grads_prepared", "grads_finite",
-        "user_optimizer_class", "segments", "kernel", "inner", "param_group_of"}
+        "user_optimizer_class", "segments", "kernel", "inner", "param_group_of", "has_grad"}
     assert set(vars(ZeroOptimizer.step)) == set(vars(type(stock).step)) == {"__wrapped__", "hooked"}
     assert not [k for k in vars(ZeroOptimizer) if k.startswith("_") and not k.startswith("__")
                 and not callable(vars(ZeroOptimizer)[k])]  # no class-level private data either
@@ -562,10 +562,9 @@ def test_zero_grad_resets_the_engine_gradients(stage, set_to_none):
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_step_without_backward_after_zero_grad_steps_zero_gradients(set_to_none):
-    """The engine's gradients are its accumulators, never None: after zero_grad (either value) a step with no
-    backward is stock AdamW's step over zero gradients (zero_grad(set_to_none=False)); stock with set_to_none=True
-    would skip the step. Checked against stock so that a change of this documented behaviour is seen."""
+def test_step_without_backward_after_zero_grad_is_stocks(set_to_none):
+    """After zero_grad(set_to_none=True) a step with no backward changes nothing, as stock AdamW's (every .grad is
+    None); after zero_grad(set_to_none=False) it is stock AdamW's step over zero gradients (issue #45 item 2)."""
     engine, opt, stock_model, stock = _pair(2)
     batch = models.make_batches(1, 1)[0][0]
     engine.backward(engine.model(input_ids=batch, labels=batch).loss)
@@ -573,11 +572,14 @@ def test_step_without_backward_after_zero_grad_steps_zero_gradients(set_to_none)
     opt.step()
     stock.step()
     opt.zero_grad(set_to_none=set_to_none)
-    stock.zero_grad(set_to_none=False)
+    stock.zero_grad(set_to_none=set_to_none)
     for p in stock_model.parameters():
-        assert p.grad is not None and not p.grad.any()
+        assert p.grad is None if set_to_none else (p.grad is not None and not p.grad.any())
+    before = {n: p.detach().clone() for n, p in stock_model.named_parameters()}
     opt.step()
     stock.step()
+    moved = any(not torch.equal(p, before[n]) for n, p in stock_model.named_parameters())
+    assert moved != set_to_none  # the reference tells the two cases apart
     _params_equal(engine, stock_model)
 
 

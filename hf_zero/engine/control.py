@@ -61,9 +61,17 @@ class LocalControl:
     def check(self, kind: str, tag: str, numel: int) -> None:
         self.calls += 1
 
+    def release_groups(self) -> None:
+        """At exit (engine/exit.py, through its Comm): drop the process group, if any."""
+
     def read(self, flag: torch.Tensor) -> float:
         """The value of a one-element tensor this rank decides on (the fp16 overflow flag, already all-reduced)."""
         return flag.item()
+
+    def read_flags(self, flags: torch.Tensor, local: List[bool]) -> List[bool]:
+        """The values of a 0/1 tensor this rank decides on (already all-reduced with MAX; `local`: this rank's
+        own flags before the reduction)."""
+        return [v > 0 for v in flags.tolist()]
 
 
 class Control(LocalControl):
@@ -76,6 +84,10 @@ class Control(LocalControl):
         self.group, self.rank, self.global_ranks = group, rank, global_ranks
         self.world_size = len(global_ranks)
         self.debug, self.debug_timeout, self.prefix = debug, timedelta(seconds=debug_timeout_s), prefix
+
+    def release_groups(self) -> None:
+        # its Comm's group: held here too, it kept e.g. hpZ's host group, and its gloo threads, into finalization
+        self.group = None
 
     def agree(self, error: Optional[str], tag: str = "") -> Optional[str]:
         self.check("all_gather_object", tag, 1)
@@ -150,6 +162,9 @@ class SimulatedControl(LocalControl):
 
     def read(self, flag: torch.Tensor) -> float:
         return 0.0  # a fake tensor has no value: the dry run takes the path of a step without overflow
+
+    def read_flags(self, flags: torch.Tensor, local: List[bool]) -> List[bool]:
+        return list(local)  # every rank does what this one does: the MAX over ranks is this rank's own
 
     def hosts(self) -> Tuple[List[str], List[Optional[int]]]:
         k = self.ranks_per_host

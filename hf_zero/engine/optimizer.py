@@ -148,6 +148,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
         self.grads_prepared = False  # prepare_grads ran since the last backward
         self.grads_finite = True  # what it found (fp16: False skips the step)
+        self.has_grad: List[bool] = []  # what it found: which parameters got a gradient on some rank
         self.user_optimizer_class = type(user_optimizer)
         rank = comm.rank
         # which user group each parameter belongs to
@@ -271,9 +272,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                f"{inner[inner.index(' (') + 2:]}"
 
     def _attach_grads(self) -> None:
-        """Point each segment's .grad at the owned gradient range (in the master dtype and device)."""
+        """Point each segment's .grad at the owned gradient range (in the master dtype and device); a segment of a
+        parameter that no rank gave a gradient keeps `.grad = None`, so the user's optimizer skips it."""
         cache: Dict[int, torch.Tensor] = {}
-        for seg, fg, a, b, _ in self.segments:
+        index = self.reducer.param_index
+        for seg, fg, a, b, slot in self.segments:
+            if not self.has_grad[index[slot.name]]:
+                continue
             grad = cache.get(id(fg))
             if grad is None:
                 grad = fg.grad_shard
@@ -291,6 +296,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.grads_prepared and self.reducer.finalized:
             return self.grads_finite
         self.reducer.finalize()
+        self.has_grad = self._agree_has_grad()
         self.grads_finite = True
         if self.scaler is not None:
             found = torch.zeros(1, device=self.device)
@@ -301,6 +307,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.grads_finite = self.world.control.read(found) == 0
         self.grads_prepared = True
         return self.grads_finite
+
+    def _agree_has_grad(self) -> List[bool]:
+        """Which parameters got a gradient on at least one rank since zero_grad(set_to_none=True): the MAX over all
+        ranks of each rank's flags (DDP all-reduces the same bitmap to leave globally unused parameters' `.grad`
+        None). A parameter some rank used is stepped on every rank, with the average over all of them."""
+        local = self.reducer.got_grad
+        if self.world.world_size == 1 or not local:
+            return list(local)
+        flags = torch.tensor(local, dtype=torch.float32, device=self.device)
+        self.world.all_reduce(flags, "parameters with a gradient", async_op=False, control=True,
+                              op=dist.ReduceOp.MAX)
+        return self.world.control.read_flags(flags, local)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the (global) gradient to `max_norm` and return the global norm over all ranks' shards.
@@ -433,9 +451,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad over the segments (whose `.grad` is set only inside `step`), and the engine's gradient
         accumulators reset (also done by every step). The gradients live in those flat buffers, which hold zeros
-        after either `set_to_none`: a step with no backward since then steps with zero gradients."""
+        after either `set_to_none`; as with stock optimizers, after `set_to_none=True` a parameter that no rank
+        gives a gradient before the step is skipped by it (a step with no backward changes nothing), and after
+        `set_to_none=False` every parameter is stepped, with zeros where it got no gradient."""
         super().zero_grad(set_to_none)
-        self.reducer.zero_grad()
+        self.reducer.zero_grad(set_to_none)
         self.grads_prepared = False
 
     # state_dict / load_state_dict are torch's: this rank's optimizer shard, segments as parameters. For a

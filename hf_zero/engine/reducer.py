@@ -96,9 +96,14 @@ class Reducer:
         self.states = [_GroupState(g, reduce_dtype(g.plan.dtype) if stage >= 2 else g.plan.dtype, self.world_size,
                                    stage) for g in groups if g.plan.trainable]
         self.by_param: Dict[int, tuple] = {}
+        self.param_index: Dict[str, int] = {}  # a trainable parameter's position in `got_grad`, by slot name
         for st in self.states:
             for p, slot in zip(st.group.params, st.group.plan.slots):
-                self.by_param[id(p)] = (st, slot)
+                self.by_param[id(p)] = (st, slot, len(self.param_index))
+                self.param_index[slot.name] = len(self.param_index)
+        # whether each parameter got a gradient on this rank since zero_grad(set_to_none=True); the step skips the
+        # ones that got none on any rank, as torch's optimizers skip a `.grad` of None (set_to_none=False: zeros)
+        self.got_grad: List[bool] = [False] * len(self.param_index)
         self.max_inflight_bytes = max_inflight_bytes
         self.on_launch, self.on_backward_end = on_launch, on_backward_end
         self.sync = True
@@ -125,7 +130,8 @@ class Reducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        st, slot = self.by_param[id(p)]
+        st, slot, index = self.by_param[id(p)]
+        self.got_grad[index] = True
         self.queue_end_of_backward()
         self.finalized = False
         grad = p.grad.reshape(-1)
@@ -255,8 +261,11 @@ class Reducer:
                     st.group.grad_shard.div_(self.world_size)
         self.finalized = True
 
-    def zero_grad(self) -> None:
-        """Reset the accumulators for the next step (the step calls it; so does optimizer.zero_grad())."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the accumulators for the next step (the step calls it; so does optimizer.zero_grad()).
+        `set_to_none`: no parameter has a gradient until the next backward gives it one; otherwise every parameter
+        has a zero gradient (and is stepped)."""
+        self.got_grad = [not set_to_none] * len(self.got_grad)
         self.wait()
         for st in self.states:
             g = st.group
