@@ -144,6 +144,7 @@ def _copy(src, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.needs_deepspeed
 def test_deepspeed_folder_is_recognized_and_read_without_deepspeed(deepspeed_folder):
     found = inspect_foreign(deepspeed_folder)
     assert found.describe() == "DeepSpeed ZeRO-3 checkpoint, 1 rank, step 2"
@@ -175,6 +176,7 @@ def _plant(pt_file, payload):
 
 
 @pytest.mark.slow
+@pytest.mark.needs_deepspeed
 def test_deepspeed_file_with_a_payload_does_not_run_it(deepspeed_folder, tmp_path):
     folder = _copy(deepspeed_folder, tmp_path)
     marker = tmp_path / "ran"
@@ -187,6 +189,7 @@ def test_deepspeed_file_with_a_payload_does_not_run_it(deepspeed_folder, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.needs_deepspeed
 def test_deepspeed_latest_naming_a_folder_outside_is_refused(deepspeed_folder, tmp_path):
     folder = _copy(deepspeed_folder, tmp_path)
     with open(os.path.join(folder, "latest"), "w") as f:
@@ -196,6 +199,7 @@ def test_deepspeed_latest_naming_a_folder_outside_is_refused(deepspeed_folder, t
 
 
 @pytest.mark.slow
+@pytest.mark.needs_deepspeed
 def test_deepspeed_truncated_file_is_named(deepspeed_folder, tmp_path):
     folder = _copy(deepspeed_folder, tmp_path)
     target = os.path.join(folder, "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
@@ -207,6 +211,7 @@ def test_deepspeed_truncated_file_is_named(deepspeed_folder, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.needs_deepspeed
 def test_reading_and_exporting_a_deepspeed_folder_never_imports_deepspeed(deepspeed_folder, tmp_path):
     """In a fresh interpreter (DeepSpeed is installed here): hf_zero's checkpoint layer opens, reads and exports a
     DeepSpeed folder, and `deepspeed` is still not in sys.modules."""

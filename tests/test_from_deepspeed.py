@@ -310,6 +310,7 @@ def test_overrides_win_over_the_file():
 @pytest.mark.parametrize("name, ds", [("zero1", ZERO1_TUTORIAL), ("zero2", ZERO2_TUTORIAL),
                                       ("infinity", ZERO_INFINITY_TUTORIAL), ("offload", ZERO_OFFLOAD_TUTORIAL),
                                       ("zeropp", ZEROPP_TUTORIAL)])
+@pytest.mark.needs_deepspeed
 def test_keys_read_as_deepspeed_itself_reads_them(name, ds):
     """DeepSpeed's own parser of zero_optimization (aliases, deprecated flags) and ours agree on what each key
     sets: the stage, the bucket elements, the offload devices and hpZ. (DeepSpeed 0.19 removed MiCS, so its
