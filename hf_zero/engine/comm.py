@@ -46,7 +46,8 @@ class Ledger:
     def __init__(self) -> None:
         self.reset()
 
-    trace: Optional[List[Tuple[str, int, int, bool]]] = None  # a list: every call booked, (kind, elements, bytes, inter)
+    # a list: every call booked, (kind, elements, bytes, inter)
+    trace: Optional[List[Tuple[str, int, int, bool]]] = None
 
     def reset(self) -> None:
         if self.trace is not None:
@@ -121,9 +122,11 @@ class Comm:
             hold(self)  # engine/exit.py releases the group at exit (release_groups)
 
     def release_groups(self) -> None:
-        """At exit (engine/exit.py): drop the group and the strategies that hold it; a collective afterwards raises."""
+        """At exit (engine/exit.py): drop the group and what holds it (the strategies, the control plane); a
+        collective afterwards raises."""
         self.group = None
         self._strategies.clear()
+        self.control.release_groups()
 
     def sibling(self, quantization: Quantization) -> "Comm":
         """A Comm over the same group and ledger whose collectives quantize as `quantization` says: the engine gives

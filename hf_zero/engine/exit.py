@@ -13,10 +13,14 @@ another library: no defaults rewritten, no attributes of other modules assigned)
 
 - the script itself, which leaves the group alive (no destroy_process_group(): the Trainer, most examples). The
   exit hook destroys it.
-- hf_zero's own objects that hold a group (`Comm`, `CheckpointStore`). Each registers itself with `hold` and has a
-  `release_groups()` that drops its references; the exit hook calls it on every one still alive. An engine and
-  model the script dropped are garbage the collector can free (the hooks torch keeps in C++ hold hf_zero's objects
-  weakly: reducer.weak_hook), so the hook's `gc.collect()` frees them and the groups they held.
+- hf_zero's own objects that hold a group (`Comm`, `CheckpointStore`, the background save's `_Saver`). Each
+  registers itself with `hold` and has a `release_groups()` that drops every reference it keeps, its parts'
+  included (a Comm's strategies and its control plane: the control plane kept hpZ's host groups from
+  dist.new_group, and so their threads, into finalization: issue 45's aborts of 4-rank hpZ launches); the exit
+  hook calls it on every one still alive. An engine and model the script dropped are garbage the collector can
+  free (the hooks torch keeps in C++ hold hf_zero's objects weakly: reducer.weak_hook), so the hook's
+  `gc.collect()` frees them and the groups they held; the hook keeps no engine or holder in a local variable while
+  it collects.
 - the script's own references (a global `tp_group = dist.new_group(...)`, a mesh): the script's to drop.
 - default arguments bound at import, torch's bug (upstream): a signature `group=dist.group.WORLD` binds the world
   group of the moment its module is imported. `torch.distributed.nn.functional` is imported by `torch._dynamo`,
@@ -29,7 +33,10 @@ another library: no defaults rewritten, no attributes of other modules assigned)
   to the end, and its gloo threads into finalization (docs/engine.md, "Ending a script").
 
 `close_at_exit(engine)` (every ZeroEngine calls it when built, HfZeroAccelerator when built) registers one atexit
-hook per process. atexit hooks run before finalization, while every module is intact, so the hook can: wait for the
+hook per process. atexit hooks run before finalization, while every module is intact (also in a rank started by
+torch.multiprocessing.spawn: its start method "spawn" returns from the rank's function into multiprocessing's
+spawn_main, which ends with sys.exit; "fork" ends the child with os._exit, which runs no hook and does not finalize
+the interpreter either), so the hook can: wait for the
 collectives still in flight of every live engine; destroy the process groups if they are still alive; release the
 groups of every hf_zero object that holds one; and collect garbage. atexit runs hooks last in, first out: hooks
 registered after the first engine (or HfZeroAccelerator) was built run before this one and may still use the
@@ -86,13 +93,19 @@ def close_at_exit(engine: Optional[Any] = None) -> None:
 
 
 def _at_exit() -> None:
+    _wait_for_engines()
+    release_process_groups()
+
+
+def _wait_for_engines() -> None:
+    # a frame of its own: its loop variable would otherwise keep the last engine (and, through its Comms, its
+    # groups' Python side) alive past the collection below, into finalization
     for engine in list(_engines):
         try:
             engine.wait()
         except Exception as exc:  # a peer that died: close the groups anyway
             logger.warning("hf_zero: at exit, waiting for the engine's collectives failed (%s: %s)",
                            type(exc).__name__, exc)
-    release_process_groups()
 
 
 def release_process_groups() -> int:
@@ -104,10 +117,14 @@ def release_process_groups() -> int:
         return 0
     if dist.is_initialized():
         dist.destroy_process_group()
+    released = _release_holders()
+    gc.collect()  # groups in reference cycles (a dropped engine, its model) go now, not at finalization
+    return released
+
+
+def _release_holders() -> int:
+    # a frame of its own, like _wait_for_engines: no local outlives it to keep a holder alive through the collection
     holders = list(_holders)
     for holder in holders:
         holder.release_groups()
-    released = len(holders)
-    del holders
-    gc.collect()  # groups in reference cycles (a dropped engine, its model) go now, not at finalization
-    return released
+    return len(holders)

@@ -9,11 +9,14 @@ of blocks for `--steps` steps and ends: `--destroy` calls dist.destroy_process_g
 ask), otherwise the group is left alive for the interpreter's exit. No os._exit: interpreter teardown with gloo's
 threads is what the test exercises.
 
+`--hpz K` (stage 3): hpZ's secondary groups of K ranks, which hf_zero makes with dist.new_group.
 `--checkpointing`: activation checkpoints partitioned over a model-parallel group (a second process group over
 every rank) and kept on the CPU (P_a+cpu). `--api accelerate` (torchrun only): the same model through
 HfZeroAccelerator, which makes the process group itself; the script just returns. `--exit-report DIR`: every rank
 writes the threads it still runs once every other exit hook has run (`threads_rank<R>.json`; registered first, so
-it runs last).
+it runs last), and how many of the engine and of the process groups hf_zero made for it are still alive then.
+A spawned rank (start method "spawn") returns from its function into multiprocessing's spawn_main, which ends
+with sys.exit: the interpreter finalizes as after a plain script, atexit hooks first (hf_zero's, the report).
 With `--spawn`, the parent prints one line `EXIT_CODES [c0, c1, ...]` (a negative code is the signal that ended
 a rank) and exits 1 if any rank failed.
 """
@@ -23,6 +26,7 @@ import json
 import os
 import sys
 import tempfile
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -66,6 +70,16 @@ class Net(nn.Module):
         return self.head(h)
 
 
+# weak references to what the script drops when train() returns: the engine and the process groups hf_zero made
+# for it (its Comms'); the exit report says which are still alive once every other exit hook has run
+WATCHED: dict = {"engine": [], "groups": []}
+
+
+def watch(engine) -> None:
+    WATCHED["engine"].append(weakref.ref(engine))
+    WATCHED["groups"] += [weakref.ref(c.group) for c in engine.topology.comms() if c.group is not None]
+
+
 def report_threads_at_exit(out_dir: str) -> None:
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
@@ -77,8 +91,12 @@ def report_threads_at_exit(out_dir: str) -> None:
                     names.append(f.read().strip())
             except OSError:  # the thread ended meanwhile
                 pass
+        # no gc.collect() here: what a collection would still free is what finalization would free, with gloo's
+        # threads running
+        alive = {what: sum(ref() is not None for ref in refs) for what, refs in WATCHED.items()}
         with open(os.path.join(out_dir, f"threads_rank{rank}.json"), "w") as f:
-            json.dump(sorted(names), f)
+            json.dump({"threads": sorted(names), "alive": alive,
+                       "watched": {what: len(refs) for what, refs in WATCHED.items()}}, f)
 
     atexit.register(report)
 
@@ -112,7 +130,9 @@ def train(args: argparse.Namespace) -> None:
     if args.checkpointing:
         mp_group = dist.new_group(list(range(dist.get_world_size())))
         enable_activation_checkpointing(model, "partitioned", cpu=True, model_parallel_group=mp_group)
-    engine = shard_model(model, optimizer, ZeroConfig(stage=args.stage, reduce_bucket_size=1024))
+    engine = shard_model(model, optimizer, ZeroConfig(stage=args.stage, reduce_bucket_size=1024,
+                                                      hpz_partition_size=args.hpz))
+    watch(engine)
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     for _ in range(args.steps):
         x = torch.randn(4, 8, generator=g)
@@ -141,6 +161,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--frozen", action="store_true", help="freeze the first layer (a frozen flat group)")
     p.add_argument("--checkpointing", action="store_true", help="partitioned activation checkpoints on the CPU")
+    p.add_argument("--hpz", type=int, default=None, help="stage 3: hpZ's secondary groups of this many ranks")
     p.add_argument("--destroy", action="store_true", help="call dist.destroy_process_group() at the end")
     p.add_argument("--spawn", type=int, default=0, help="start this many ranks with torch.multiprocessing.spawn")
     p.add_argument("--exit-report", default=None, help="folder for threads_rank<R>.json")
