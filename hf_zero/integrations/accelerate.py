@@ -7,35 +7,33 @@ and returns the ZeRO optimizer; `backward`, `no_sync`/`accumulate`, `clip_grad_n
 with fp32 master weights), so Accelerate itself runs with mixed_precision="no" (no autocast, no GradScaler).
 
 A checkpoint folder runs no code: `load_without_code` (checkpoint/pickles.py) reads one pickled file with
-torch.load(weights_only=True) (numpy's RNG data types allowed), and `load_state` here reads the custom and RNG states through it and passes
-`weights_only` to Accelerate's own reads (RNG, scheduler, sampler, data-loader states), replacing no function of
-torch's or Accelerate's. ZeroTrainer's resume runs the Trainer's readers with `load_without_code` as their
-`torch.load` (integrations/trainer.py).
+torch.load(weights_only=True) (numpy's RNG data types allowed), and `load_state` (its flow in load_state.py) reads
+the custom and RNG states through it and passes `weights_only` to Accelerate's own reads (RNG, scheduler, sampler,
+data-loader states), replacing no function of torch's or Accelerate's. ZeroTrainer's resume runs the Trainer's
+readers with `load_without_code` as their `torch.load` (integrations/trainer.py).
+
+Accelerate's private names (the registries of prepared objects, its loader of them) are used through
+_accelerate_private.py only.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import os
-import pickle
-import re
 from collections import OrderedDict
-from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import nn
 
-from ..checkpoint import (CheckpointError, export_pretrained, push_to_hub, read_manifest, resolve_checkpoint,
-                          save_checkpoint, stage_checkpoint)
-from ..checkpoint.foreign import looks_foreign
-from ..checkpoint.hosts import raise_if_any_failed, require_on_every_host
-from ..checkpoint.pickles import UntrustedPickleError, load_without_code, untrusted_error
+from ..checkpoint import export_pretrained, push_to_hub, read_manifest, save_checkpoint
+from ..checkpoint.pickles import UntrustedPickleError, load_without_code  # noqa: F401  (re-exported)
 from ..engine import ZeroEngine, ZeroOptimizer, enable_activation_checkpointing, shard_model
 from ..engine.exit import close_at_exit
+from ._accelerate_private import Registered, is_prepared
+from .load_state import load_state as load_state_flow
 from .plugin import ZeroPlugin
 
 logger = logging.getLogger("hf_zero")
@@ -170,8 +168,7 @@ class HfZeroAccelerator(Accelerator):
         """Shard the model with its optimizer first (whatever the argument order), then let Accelerate prepare the
         rest (data loaders, the ZeRO optimizer's wrapper, schedulers re-pointed at the ZeRO optimizer)."""
         models = [a for a in args if isinstance(a, nn.Module) and self._engine_of(a) is None]
-        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)
-                      and not getattr(a, "_is_accelerate_prepared", False)]
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer) and not is_prepared(a)]
         replaced: Dict[int, Any] = {}
         if len(models) == 1 and len(optimizers) == 1:
             engine = self._shard(models[0], optimizers[0])
@@ -192,8 +189,7 @@ class HfZeroAccelerator(Accelerator):
                       evaluation_mode: bool = False) -> nn.Module:
         """A sharded model is returned as is (no DDP wrapper); an unsharded one waits for its optimizer."""
         if self._engine_of(model) is not None:
-            if model not in self._models:
-                self._models.append(model)
+            Registered(self).add_model(model)
             return model
         if evaluation_mode:
             if any(p.is_meta for p in model.parameters()):
@@ -205,11 +201,11 @@ class HfZeroAccelerator(Accelerator):
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None):
-        if not getattr(optimizer, "_is_accelerate_prepared", False) and not isinstance(optimizer, ZeroOptimizer):
+        if not is_prepared(optimizer) and not isinstance(optimizer, ZeroOptimizer):
             if self._pending_model is None:
                 raise ValueError("prepare the model before (or together with) its optimizer")
             engine = self._shard(self._pending_model, optimizer)
-            self._models.append(self._pending_model)
+            Registered(self).add_model(self._pending_model)
             self._pending_model = None
             optimizer = engine.optimizer
         return super().prepare_optimizer(optimizer, device_placement=False)
@@ -271,16 +267,6 @@ class HfZeroAccelerator(Accelerator):
         return url
 
     # ---------------------------------------------------------------- training state
-    @contextlib.contextmanager
-    def _without(self, models: bool, optimizers: bool) -> Iterator[None]:
-        saved = self._models, self._optimizers
-        self._models = [] if models else self._models
-        self._optimizers = [] if optimizers else self._optimizers
-        try:
-            yield
-        finally:
-            self._models, self._optimizers = saved
-
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
                    async_save: Optional[bool] = None, **save_model_func_kwargs: Any) -> str:
         """Accelerate's save_state (consolidated weights, schedulers, RNG, data loaders) plus every rank's optimizer
@@ -304,7 +290,7 @@ class HfZeroAccelerator(Accelerator):
         self.zero_engine.wait_for_save()
         handle = self.register_save_state_pre_hook(self._weights_on_main_process_only)
         try:
-            with self._without(models=False, optimizers=True):
+            with Registered(self).hidden(optimizers=True):
                 output_dir = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
         finally:
             handle.remove()
@@ -344,33 +330,6 @@ class HfZeroAccelerator(Accelerator):
                 "other hosts will fail. Build the accelerator with "
                 "project_config=ProjectConfiguration(save_on_each_node=True)", shards, len(disks))
 
-    def _state_files(self) -> Dict[str, str]:
-        """What load_state reads besides the shards (as Accelerate's load_accelerator_state does), each with the
-        setting that writes it on every host."""
-        from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
-        from accelerate.utils import SAMPLER_NAME, SCHEDULER_NAME
-
-        main_only = ("Accelerate's save_state writes the scheduler, sampler and custom states on the main process "
-                     "only: on disks the hosts do not share, build the accelerator with "
-                     "project_config=ProjectConfiguration(save_on_each_node=True) so that every host's local main "
-                     "process writes them (or copy the file to the other hosts)")
-        files = {"": "Was the state saved to another path on those hosts?",
-                 "zero_shards/manifest.json": "Every host writes its own ranks' shards into zero_shards/: those "
-                                              "hosts saved elsewhere or lost their copy"}
-        for i in range(len(self._schedulers)):
-            files[f"{SCHEDULER_NAME}.bin" if i == 0 else f"{SCHEDULER_NAME}_{i}.bin"] = main_only
-        for i, loader in enumerate(self._dataloaders):
-            try:
-                seeded = isinstance(loader.dataset, IterableDatasetShard) and \
-                    isinstance(loader.get_sampler(), SeedableRandomSampler)
-            except AttributeError:
-                seeded = False
-            if seeded:
-                files[f"{SAMPLER_NAME}.bin" if i == 0 else f"{SAMPLER_NAME}_{i}.bin"] = main_only
-        for i in range(len(self._custom_objects)):
-            files[f"custom_checkpoint_{i}.pkl"] = main_only
-        return files
-
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
                    trust_pickles: bool = False, **load_model_func_kwargs: Any) -> None:
         """Restore a save_state folder: the shards restore weights and optimizer state at any world size; Accelerate
@@ -390,211 +349,7 @@ class HfZeroAccelerator(Accelerator):
         it only for folders whose writer you trust, or allow just the needed classes with
         `torch.serialization.add_safe_globals`."""
         trust = trust_pickles or (load_kwargs or {}).get("weights_only") is False
-        if not self.zero_engines:
-            return self._load_accelerate_state(input_dir, load_kwargs, trust, **load_model_func_kwargs)
-        if input_dir is None:
-            raise ValueError("HfZeroAccelerator.load_state needs input_dir: the folder save_state returned")
-        folder = os.path.expanduser(str(input_dir))
-        if not os.path.isdir(os.path.join(folder, "zero_shards")) and looks_foreign(folder):
-            return self._load_foreign_state(folder, load_kwargs, trust, **load_model_func_kwargs)
-        files = self._state_files()
-        require_on_every_host(folder, list(files), files, CheckpointError)
-        shards = resolve_checkpoint(Path(folder, "zero_shards"))  # a save killed mid-rename left the previous aside
-        if not shards.is_dir():
-            raise FileNotFoundError(f"{input_dir} has no zero_shards/ folder: it was not written by "
-                                    f"HfZeroAccelerator.save_state, so it holds no optimizer shards")
-        # All or nothing: the shards are read and checked on every rank first; Accelerate's part (schedulers, RNG,
-        # samplers, custom objects) is undone if it fails on any rank; only then does the engine change.
-        _, staged = stage_checkpoint(self.zero_engine, shards)
-
-        def rest() -> None:
-            with self._without(models=True, optimizers=True):
-                self._load_accelerate_state(input_dir, load_kwargs, trust, **load_model_func_kwargs)
-
-        self._apply(staged, rest, f"load_state({input_dir})")
-
-    def _apply(self, staged: Any, rest: Callable[[], None], what: str) -> None:
-        """Collective. Run `rest()` (Accelerate's part: schedulers, RNG, samplers, custom objects), undo it if it
-        failed on any rank (raised on every rank, not left to hang the others in the next collective), and only
-        then give the engine the `staged` shards."""
-        before = self._restorable_state()
-        error = None
-        try:
-            rest()
-        except Exception as exc:
-            error = exc
-        try:
-            raise_if_any_failed(error, what, CheckpointError)
-        except CheckpointError:
-            self._restore_state(before)
-            raise
-        self.zero_engine.load_shard_state(staged)
-
-    def _load_foreign_state(self, folder: str, load_kwargs: Optional[dict], trust: bool,
-                            **load_model_func_kwargs: Any) -> None:
-        """load_state of a folder DeepSpeed or FSDP2 wrote through Accelerate (or the Trainer): weights, fp32
-        master and Adam state resharded onto this run's engine (`stage_checkpoint` reads them with no code run),
-        the LR scheduler from the folder's own record (DeepSpeed keeps it in its model states), and Accelerate's
-        RNG, sampler and custom states where the folder has them. All or nothing, as for hf_zero's own folders."""
-        from accelerate.utils import SCHEDULER_NAME
-
-        manifest, staged = stage_checkpoint(self.zero_engine, folder, trust=trust)  # the source's description
-
-        def rest() -> None:
-            # Accelerate writes scheduler.bin beside a DeepSpeed checkpoint unless DeepSpeed was handed the
-            # scheduler, which then lives in DeepSpeed's model states
-            accelerate_wrote = os.path.isfile(os.path.join(folder, f"{SCHEDULER_NAME}.bin"))
-            saved_schedulers = self._schedulers
-            self._schedulers = saved_schedulers if accelerate_wrote else []
-            try:
-                with self._without(models=True, optimizers=True):
-                    self._load_accelerate_state(folder, load_kwargs, trust, **load_model_func_kwargs)
-            finally:
-                self._schedulers = saved_schedulers
-            scheduler_state = manifest.get("lr_scheduler")
-            if scheduler_state is not None and self._schedulers and not accelerate_wrote:
-                self._schedulers[0].load_state_dict(scheduler_state)
-            if manifest.get("step") is not None and not os.path.isfile(os.path.join(folder, "random_states_0.pkl")):
-                self.step = int(manifest["step"]) * max(1, self.gradient_accumulation_steps)
-
-        self._apply(staged, rest, f"load_state({folder})")
-
-    def _restorable_state(self) -> Dict[str, Any]:
-        """What Accelerate's load_state changes besides models and optimizers, copied so a failed load can put it
-        back: scheduler and custom-object states, data-loader samplers and states, the RNG states."""
-        import random
-
-        import numpy as np
-
-        def copied(obj: Any) -> Any:
-            return copy.deepcopy(obj.state_dict()) if hasattr(obj, "state_dict") else None
-
-        return {
-            "schedulers": [copied(s) for s in self._schedulers],
-            "custom": [copied(o) for o in self._custom_objects],
-            "samplers": [d.get_sampler() if hasattr(d, "get_sampler") else None for d in self._dataloaders],
-            "loaders": [copied(d) if getattr(d, "use_stateful_dataloader", False) else None
-                        for d in self._dataloaders],
-            "rng": (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-                    torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None),
-        }
-
-    def _restore_state(self, saved: Dict[str, Any]) -> None:
-        import random
-
-        import numpy as np
-
-        for obj, state in [*zip(self._schedulers, saved["schedulers"]), *zip(self._custom_objects, saved["custom"]),
-                           *zip(self._dataloaders, saved["loaders"])]:
-            if state is not None:
-                obj.load_state_dict(state)
-        for loader, sampler in zip(self._dataloaders, saved["samplers"]):
-            if sampler is not None and hasattr(loader, "set_sampler"):
-                loader.set_sampler(sampler)
-        py, np_state, cpu, cuda = saved["rng"]
-        random.setstate(py)
-        np.random.set_state(np_state)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-    def _load_accelerate_state(self, input_dir: Optional[str], load_kwargs: Optional[dict], trust: bool,
-                               **load_model_func_kwargs: Any) -> None:
-        """Accelerate's load_state for the distributed types hf_zero runs (models, optimizers, schedulers, data
-        loaders, scaler and RNG through Accelerate's `load_accelerator_state`; then the registered custom objects),
-        with no code run from the files and no other library's function replaced:
-
-        - the optimizer, scheduler and data-loader states get `weights_only` through `load_kwargs` (True unless
-          trusted); Accelerate reads the sampler, scaler, `.bin` weights and RNG files with weights_only=True;
-        - the custom states, which Accelerate's `load_custom_state` always unpickles in full, are read here
-          (`load_without_code`), before anything changes, and applied last as Accelerate does;
-        - this rank's RNG file is read here first too: Accelerate goes on without the RNG state when reading it
-          fails, so its refusal would pass unnoticed.
-        A weights-only refusal inside Accelerate's part raises UntrustedPickleError naming the file."""
-        from accelerate.checkpointing import load_accelerator_state
-        from accelerate.utils import RNG_STATE_NAME
-
-        opt_in = "load_state(..., trust_pickles=True)"
-        if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
-            raise RuntimeError(f"distributed_type {self.distributed_type}: hf_zero's load_state does not load it")
-        folder = self._state_folder(input_dir)
-        logger.info("hf_zero: loading states from %s", folder)
-        found = [f for f in os.listdir(folder) if re.search(r"^custom_checkpoint_\d+\.pkl$", f) is not None]
-        if len(found) != len(self._custom_objects):
-            raise RuntimeError(
-                f"Number of custom checkpoints in folder {folder} does not match the number of registered objects: "
-                f"found {len(found)} checkpoints, {len(self._custom_objects)} registered objects. Load only folders "
-                f"saved with the same registered objects, or keep `custom_checkpoint` out of other files' names")
-        custom = [load_without_code(os.path.join(folder, f"custom_checkpoint_{i}.pkl"), opt_in, trust, "cpu")
-                  for i in range(len(self._custom_objects))]
-        rng = os.path.join(folder, f"{RNG_STATE_NAME}_{self.process_index}.pkl")
-        if not trust and os.path.isfile(rng):
-            load_without_code(rng, opt_in)
-        models, optimizers = list(self._models), list(self._optimizers)
-        for hook in self._load_model_state_pre_hook.values():
-            hook(models, folder)
-        map_location = load_model_func_kwargs.pop("map_location", None)
-        if map_location is None:
-            map_location = ("on_device" if self.num_processes > 1 and self.multi_device
-                            and self.distributed_type != DistributedType.MULTI_XPU else "cpu")
-        try:
-            overrides = load_accelerator_state(
-                folder, models, optimizers, list(self._schedulers), list(self._dataloaders), self.process_index,
-                self.scaler, map_location, {**(load_kwargs or {}), "weights_only": not trust},
-                **load_model_func_kwargs)
-        except pickle.UnpicklingError as exc:
-            if trust:
-                raise
-            raise self._refused_file(folder, models, optimizers, exc, opt_in) from None
-        if "step" in overrides:
-            self.step = overrides["step"]
-        for obj, state in zip(self._custom_objects, custom):
-            obj.load_state_dict(state)
-
-    def _state_folder(self, input_dir: Optional[str]) -> str:
-        """The folder Accelerate's load_state reads: `input_dir`, else the newest automatically named one."""
-        if input_dir is not None:
-            folder = os.path.expanduser(str(input_dir))
-            if not os.path.isdir(folder):
-                raise ValueError(f"Tried to find {input_dir} but folder does not exist")
-            return folder
-        if not self.project_configuration.automatic_checkpoint_naming:
-            raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
-        base = os.path.join(self.project_dir, "checkpoints")
-        folders = [os.path.join(base, f) for f in os.listdir(base)]
-        folders.sort(key=lambda f: int(re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", f)[0]))
-        return folders[-1]
-
-    def _refused_file(self, folder: str, models: List[nn.Module], optimizers: List[Any], exc: BaseException,
-                      opt_in: str) -> UntrustedPickleError:
-        """Which file Accelerate's weights-only read refused (torch's error does not say): the first of the files
-        `load_accelerator_state` reads, in its order, that `load_without_code` refuses too."""
-        from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
-        from accelerate.utils import MODEL_NAME, OPTIMIZER_NAME, SAFE_MODEL_NAME, SAMPLER_NAME, SCALER_NAME, \
-            SCHEDULER_NAME
-
-        def nth(stem: str, i: int, ext: str = ".bin") -> str:  # Accelerate's names: model.bin, model_1.bin, ...
-            return f"{stem}{ext}" if i == 0 else f"{stem}_{i}{ext}"
-
-        names = [nth(MODEL_NAME, i) for i in range(len(models))
-                 if not os.path.exists(os.path.join(folder, nth(SAFE_MODEL_NAME, i, ".safetensors")))]
-        names += [nth(OPTIMIZER_NAME, i) for i in range(len(optimizers))]
-        names += [nth(SCHEDULER_NAME, i) for i in range(len(self._schedulers))]
-        for i, loader in enumerate(self._dataloaders):
-            if isinstance(loader.dataset, IterableDatasetShard) and \
-                    isinstance(getattr(loader, "get_sampler", lambda: None)(), SeedableRandomSampler):
-                names.append(nth(SAMPLER_NAME, i))
-            if getattr(loader, "use_stateful_dataloader", False):
-                names.append(nth("dl_state_dict", i))
-        names += [SCALER_NAME] if self.scaler is not None else []
-        for name in names:
-            path = os.path.join(folder, name)
-            if os.path.isfile(path):
-                try:
-                    load_without_code(path, opt_in)
-                except UntrustedPickleError as refused:
-                    return refused
-        return untrusted_error(folder, exc, opt_in)
+        load_state_flow(self, input_dir, load_kwargs, trust, **load_model_func_kwargs)
 
     def free_memory(self, *objects: Any) -> Any:
         for engine in self.zero_engines:

@@ -5,9 +5,10 @@
     ZeroSFTTrainer = hf_zero.zero_trainer(trl.SFTTrainer)
 
 The Trainer builds its Accelerator through the module-level name `transformers.trainer.Accelerator`; the
-subclass runs a copy of that method whose globals give the name HfZeroAccelerator (transformers is not changed). Saving writes consolidated
-weights (gathered from the shards, so never an empty stage-3 file; on the main process) plus each rank's shard
-in a `zero_shards/` folder; resuming restores weights and optimizer state from the shards after sharding (the
+subclass runs a copy of that method whose globals give the name HfZeroAccelerator (transformers is not changed;
+_transformers_private.py holds every such use of the Trainer's internals). Saving writes consolidated weights
+(gathered from the shards, so never an empty stage-3 file; on the main process) plus each rank's shard in a
+`zero_shards/` folder; resuming restores weights and optimizer state from the shards after sharding (the
 consolidated weights are not needed, so a host that has only its shards can resume).
 
 On disks the hosts do not share, the Trainer writes trainer_state.json and scheduler.pt on the main process only
@@ -15,8 +16,8 @@ unless `TrainingArguments(save_on_each_node=True)`; a resume checks first that e
 
 A checkpoint runs no code on resume: the pickled files the Trainer reads (rng_state*.pth; scaler.pt and a
 non-hf_zero checkpoint's weights where the stock Trainer reads them) are read by copies of its own methods whose
-`torch.load` is hf_zero's `load_without_code` (`_with_globals`: a function with other globals, so neither torch
-nor transformers.trainer changes), and a refusal raises on every rank, naming the file and the opt-in
+`torch.load` is hf_zero's `load_without_code` (a function with other globals, so neither torch nor
+transformers.trainer changes), and a refusal raises on every rank, naming the file and the opt-in
 `train(..., trust_pickles=True)`. trainer_state.json is JSON; training_args.bin is never read.
 """
 from __future__ import annotations
@@ -25,7 +26,6 @@ import functools
 import logging
 import os
 import re
-import types
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
@@ -38,7 +38,11 @@ from ..checkpoint import (CheckpointError, is_checkpoint, load_checkpoint, read_
 from ..checkpoint.foreign import looks_foreign
 from ..checkpoint.hosts import all_gather_objects, describe_ranks, host_name, raise_if_any_failed, \
     require_on_every_host
-from .accelerate import HfZeroAccelerator, load_without_code
+from ..checkpoint.pickles import load_without_code
+from ._transformers_private import TorchWithoutCode as _TorchWithoutCode  # noqa: F401  (re-exported)
+from ._transformers_private import create_accelerator, reading_without_code, save_checkpoint_deferring_rotation
+from ._transformers_private import with_globals as _with_globals  # noqa: F401  (re-exported)
+from .accelerate import HfZeroAccelerator
 from .plugin import ZeroPlugin
 
 SHARDS_DIR = "zero_shards"
@@ -69,8 +73,8 @@ class ZeroTrainerMixin:
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's own method, run with `Accelerator` meaning HfZeroAccelerator: a copy of it whose globals
         say so (the Trainer builds its Accelerator by that module-level name; transformers.trainer is not changed)."""
-        build = functools.partial(HfZeroAccelerator, zero_plugin=self.zero_plugin)
-        _with_globals(super().create_accelerator_and_postprocess, Accelerator=build)()
+        create_accelerator(super().create_accelerator_and_postprocess,
+                           functools.partial(HfZeroAccelerator, zero_plugin=self.zero_plugin))
 
     def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
         """A model from hf_zero.from_pretrained has its parameters on the meta device until prepare() reads its
@@ -133,16 +137,14 @@ class ZeroTrainerMixin:
         save = super()._save_checkpoint
         if not self.accelerator.zero_plugin.async_save:
             return save(model, trial)
-        if "rotate_checkpoints" not in getattr(getattr(save, "__func__", None), "__code__", ()).co_names:
-            save(model, trial)  # a subclass's own _save_checkpoint: rotation cannot be deferred, so wait here
-            return self._finish_pending_save()
-        real = save.__func__.__globals__["rotate_checkpoints"]
 
-        def rotate_later(*args: Any, **kwargs: Any) -> None:
-            self._deferred_rotation = functools.partial(real, *args, **kwargs)
+        def defer(rotate: Any) -> None:
+            self._deferred_rotation = rotate
 
         # the rotation runs at the next checkpoint or the end of training, after this one's shards are complete
-        _with_globals(save, rotate_checkpoints=rotate_later)(model, trial)
+        if not save_checkpoint_deferring_rotation(save, model, trial, defer):
+            save(model, trial)  # a subclass's own _save_checkpoint: rotation cannot be deferred, so wait here
+            self._finish_pending_save()
 
     def _finish_pending_save(self) -> None:
         """Wait for checkpoint shards still being written (CheckpointError if that failed, on every rank), then
@@ -188,13 +190,17 @@ class ZeroTrainerMixin:
             resume_from_checkpoint = self._check_resume(resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    def _without_code(self, read: Any) -> Any:
+        """The Trainer's reader `read` (bound) with no code run from the files it loads (its `torch.load` is
+        `load_without_code`)."""
+        return reading_without_code(read, _TRUST_OPT_IN, getattr(self, "_trust_pickles", False))
+
     def _read_files(self, what: str, read: Any, *args: Any) -> Any:
-        """Collective: the Trainer's `read(*args)` with no code run from the files it loads (`_TorchWithoutCode`);
-        an error on any rank raises CheckpointError on every rank (the others would wait in their next
-        collective)."""
+        """Collective: `read(*args)`; an error on any rank raises CheckpointError on every rank (the others would
+        wait in their next collective)."""
         error, out = None, None
         try:
-            out = _with_globals(read, torch=self._files_without_code())(*args)
+            out = read(*args)
         except Exception as exc:
             error = exc
         raise_if_any_failed(error, what, CheckpointError)
@@ -203,14 +209,16 @@ class ZeroTrainerMixin:
     def _load_rng_state(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None:
             return None
-        return self._read_files(f"loading the RNG state of {checkpoint}", super()._load_rng_state, checkpoint)
+        return self._read_files(f"loading the RNG state of {checkpoint}", self._without_code(super()._load_rng_state),
+                                checkpoint)
 
     def _load_scaler(self, checkpoint: Optional[str]) -> None:
         """hf_zero's fp16 loss scale is part of the shards (Accelerate has no GradScaler under hf_zero): a
         scaler.pt (a stock fp16 checkpoint's) is not read."""
         if checkpoint is None or self.accelerator.scaler is None:
             return None
-        return self._read_files(f"loading the scaler of {checkpoint}", super()._load_scaler, checkpoint)
+        return self._read_files(f"loading the scaler of {checkpoint}", self._without_code(super()._load_scaler),
+                                checkpoint)
 
     def _check_resume(self, checkpoint: Union[str, bool]) -> Union[str, bool]:
         if checkpoint is True:
@@ -245,11 +253,7 @@ class ZeroTrainerMixin:
         if is_checkpoint(resolve_checkpoint(Path(resume_from_checkpoint, SHARDS_DIR))) or \
                 looks_foreign(resume_from_checkpoint):  # DeepSpeed's or FSDP2's: the weights come with the state
             return None
-        return _with_globals(super()._load_from_checkpoint, torch=self._files_without_code())(resume_from_checkpoint,
-                                                                                              model)
-
-    def _files_without_code(self) -> "_TorchWithoutCode":
-        return _TorchWithoutCode(_TRUST_OPT_IN, getattr(self, "_trust_pickles", False))
+        return self._without_code(super()._load_from_checkpoint)(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None:
@@ -273,7 +277,8 @@ class ZeroTrainerMixin:
 
     def _load_scheduler(self, path: str) -> None:
         if os.path.isfile(path):
-            self.lr_scheduler.load_state_dict(torch.load(path))
+            self.lr_scheduler.load_state_dict(load_without_code(path, _TRUST_OPT_IN,
+                                                                getattr(self, "_trust_pickles", False)))
 
     def _load_best_model(self) -> None:
         """The best checkpoint's master weights come back from its shards (the model is sharded by now)."""
@@ -316,28 +321,3 @@ def zero_trainer(trainer_class: type) -> type:
         return trainer_class
     return type(f"Zero{trainer_class.__name__}", (ZeroTrainerMixin, trainer_class),
                 {"__module__": __name__, "__doc__": f"{trainer_class.__name__} on hf_zero."})
-
-
-class _TorchWithoutCode:
-    """`torch` as hf_zero's copies of the Trainer's checkpoint readers see it: every attribute is torch's, but
-    `load` reads one file with no code run from it (`load_without_code`), whatever its caller asked for."""
-
-    def __init__(self, opt_in: str, trust: bool) -> None:
-        self._opt_in, self._trust = opt_in, trust
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-    def load(self, f: Any, map_location: Any = None, pickle_module: Any = None, **kwargs: Any) -> Any:
-        return load_without_code(f, self._opt_in, self._trust, map_location)
-
-
-def _with_globals(method: Any, **names: Any) -> Any:
-    """`method` (bound) as a copy of its function whose module-level `names` mean something else for this call:
-    how ZeroTrainer runs the Trainer's own code with HfZeroAccelerator or a safe `torch.load`, where the Trainer
-    looks them up by module name, without assigning to any module."""
-    func = method.__func__
-    copy = types.FunctionType(func.__code__, {**func.__globals__, **names}, func.__name__, func.__defaults__,
-                              func.__closure__)
-    copy.__kwdefaults__ = func.__kwdefaults__  # on hf_zero's new function object; the original is untouched
-    return types.MethodType(copy, method.__self__)
