@@ -88,7 +88,8 @@ def torch_private_uses(path: Path) -> Set[str]:
         elif isinstance(node, ast.Attribute) and id(node) not in inner:
             names = [dotted(node)]
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
-                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and _private(str(node.args[1].value)):
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and _private(str(node.args[1].value)):
             base = dotted(node.args[0])
             names = [f"{base}.{node.args[1].value}"] if base else []
         found.update(n for n in names if n and any(_private(p) for p in n.split(".")))

@@ -8,7 +8,7 @@ module-level names give one name hf_zero's object (`with_globals`: neither the f
 changes):
 
 - `Accelerator` in `create_accelerator_and_postprocess`: the Trainer builds its accelerator by that name. Nothing
-  chooses the class: `TrainingArguments.accelerator_config` and `_build_accelerator_args` (Transformers >= 5.2)
+  chooses the class: `TrainingArguments.accelerator_config` and `_build_accelerator_args` (5.25; not in 5.1)
   shape only its arguments, and rewriting the method would drop what each release adds to it;
 - `torch` in the readers `_load_rng_state`, `_load_scaler`, `_load_from_checkpoint`: they read a file with
   `torch.load` and apply it in the same method (the RNG states of every device kind, the scaler, the weights), so
@@ -58,8 +58,8 @@ READERS = ("_load_rng_state", "_load_scaler", "_load_from_checkpoint")
 
 def rotation_deferrable() -> bool:
     """Whether the Trainer's own `_save_checkpoint` rotates checkpoints through the module-level
-    `rotate_checkpoints` (Transformers >= 5.2) and ends training in `_finalize_training`, where the rotation is
-    done."""
+    `rotate_checkpoints` and ends training in `_finalize_training`, where the deferred rotation is done (both in
+    Transformers 5.25, neither in 5.1)."""
     return callable(vars(hf_trainer).get("rotate_checkpoints")) and hasattr(Trainer, "_finalize_training")
 
 
