@@ -25,7 +25,9 @@ from .loading import ShardLoader, Weights, resolve_weights
 from .optimizer import ZeroOptimizer, check_elementwise
 from .placement import compute_device
 from .planning import ShardPlan, find_unit_modules, plan_model
+from .partitioned import set_placeholders
 from .reducer import Reducer
+from .rendezvous import Rendezvous, RendezvousTimeout
 from .scaler import LossScaler
 from .state import ShardState, apply_shard_state, capture_shard_state, full_group_values
 from .topology import Topology, build_topology
@@ -78,8 +80,16 @@ class ZeroEngine:
         )
         self.gathered = GatheredBytes()
         self.gatherer: Optional[Gatherer] = self._build_gatherer() if config.stage == 3 else None
+        # stage 3: model.state_dict() / save_pretrained() outside a gather is collective (the full weights to rank
+        # 0), checked first by a rendezvous so that a call on one rank only is an error, not a hang
+        self._collective_state_dict = False
+        self._state_dict_rendezvous: Optional[Rendezvous] = None
         if self.gatherer is not None:
+            if self.comm.world_size > 1 and dist.get_backend(self.comm.group) != "fake":
+                self._state_dict_rendezvous = Rendezvous("model.state_dict() at ZeRO stage 3", self.comm.group)
             model.register_state_dict_pre_hook(self._guard_state_dict)
+            # a function, not the bound method: torch marks the hooks its public API registered with an attribute
+            model.register_state_dict_post_hook(lambda *args: self._fill_state_dict(*args))
         elif config.compute_dtype is not None and any(g.plan.trainable for g in self.groups):
             model.register_state_dict_pre_hook(self._warn_compute_copy)
         self._allow_state_dict = False
@@ -246,13 +256,50 @@ class ZeroEngine:
             self.gatherer.end_of_backward()
 
     def _guard_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """Stage 3, before `model.state_dict()` walks the model: outside a gather the call is collective (as under
+        FSDP2, whose state_dict save_pretrained gathers): every rank must make it, checked within
+        `state_dict_timeout_s`; the released parameters then read as meta placeholders that `_fill_state_dict`
+        replaces."""
         if self._allow_state_dict or all(u.state.gathered for u in self.gatherer.units):
             return
-        raise RuntimeError(
-            "hf_zero: this model's parameters are partitioned across ranks (ZeRO stage 3), so model.state_dict() "
-            "and save_pretrained() would write empty tensors. Call engine.full_state_dict() on every rank (or "
-            "accelerator.save_model / accelerator.get_state_dict), or wrap the call in engine.gathered_parameters()."
-        )
+        if self._state_dict_rendezvous is not None:
+            try:
+                self._state_dict_rendezvous.arrive(self.config.state_dict_timeout_s)
+            except RendezvousTimeout as exc:
+                raise RuntimeError(
+                    f"hf_zero: this model's parameters are partitioned across ranks (ZeRO stage 3), so "
+                    f"model.state_dict() and save_pretrained() gather them from every rank and must be called on "
+                    f"every rank; {exc} (ZeroConfig state_dict_timeout_s). Call it on all ranks, e.g. "
+                    f"accelerator.unwrap_model(model).save_pretrained(output_dir, is_main_process="
+                    f"accelerator.is_main_process, save_function=accelerator.save) outside `if "
+                    f"accelerator.is_main_process:`, or take the weights on every rank with "
+                    f"accelerator.get_state_dict(model) (engine.full_state_dict()) and pass them as "
+                    f"save_pretrained(..., state_dict=...) on the main process. No weights were written; "
+                    f"save_pretrained may have written config.json before it asked for the weights."
+                ) from exc
+        set_placeholders(self._partitioned_params(), True)
+        self._collective_state_dict = True
+
+    def _fill_state_dict(self, module: nn.Module, state_dict: Dict[str, Any], prefix: str,
+                         local_metadata: Dict[str, Any]) -> None:
+        """Stage 3, after a collective `model.state_dict()` walked the model: each parameter's entry becomes its
+        full value on rank 0 (a CPU tensor in its original dtype, trainable ones from the fp32 master, as
+        `full_state_dict()`) and a meta tensor of its shape and dtype on the other ranks, which keep no full copy.
+        Gathered one flat group at a time, so the peak is `full_state_dict()`'s."""
+        if not self._collective_state_dict:
+            return
+        self._collective_state_dict = False
+        set_placeholders(self._partitioned_params(), False)
+        values = self._gathered_values("state_dict")
+        slots = {alias: slot for g in self.groups for slot in g.plan.slots for alias in slot.aliases}
+        for name, slot in slots.items():
+            key = prefix + name
+            if key in state_dict:
+                state_dict[key] = values[name] if self.comm.rank == 0 else torch.empty(
+                    slot.shape, dtype=slot.orig_dtype, device="meta")
+
+    def _partitioned_params(self) -> List[nn.Parameter]:
+        return [p for g in self.groups for p in g.params]
 
     def _warn_compute_copy(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if self._allow_state_dict or prefix:
@@ -351,22 +398,31 @@ class ZeroEngine:
             local_sd = self.model.state_dict(keep_vars=True)
         finally:
             self._allow_state_dict = False
+        values = self._gathered_values("full_state_dict")
+        if self.comm.rank != 0:
+            return {}
+        out = {}
+        for key, value in local_sd.items():
+            out[key] = values[key] if key in values else value.detach().to("cpu").clone()
+        return out
+
+    @torch.no_grad()
+    def _gathered_values(self, purpose: str) -> Dict[str, torch.Tensor]:
+        """Collective: every parameter's full value under each of its names on rank 0 (CPU tensors in the
+        parameter's original dtype; trainable ones from the fp32 master), one flat group at a time; {} on the
+        other ranks."""
         rank0 = self.comm.rank == 0
         values: Dict[str, torch.Tensor] = {}
         for g in self.groups:
-            full = full_group_values(self, g.plan.index, "full_state_dict")
+            full = full_group_values(self, g.plan.index, purpose)
             if rank0:
                 for slot in g.plan.slots:
                     view = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
                     t = view.to(device="cpu", dtype=slot.orig_dtype, copy=True)
                     for alias in slot.aliases:
                         values[alias] = t
-        if not rank0:
-            return {}
-        out = {}
-        for key, value in local_sd.items():
-            out[key] = values[key] if key in values else value.detach().to("cpu").clone()
-        return out
+            del full
+        return values
 
     # ------------------------------------------------------------------ training state (checkpoints)
     def shard_state(self) -> ShardState:

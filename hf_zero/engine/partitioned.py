@@ -88,6 +88,10 @@ class PartitionedParameter(nn.Parameter):
             return args[0]
         blocked = _not_gathered(func, args, kwargs)
         if blocked is not None:
+            if func is torch.Tensor.detach and blocked.__dict__.get("_hfz_placeholder", False):
+                # inside a collective model.state_dict(): an entry the engine fills after the walk (engine.py)
+                with torch._C.DisableTorchFunctionSubclass():
+                    return torch.empty(blocked.shape, dtype=blocked.dtype, device="meta")
             raise ParameterNotGatheredError(
                 f"hf_zero: {blocked._hfz_name} is partitioned across ranks (ZeRO stage 3) and holds no values "
                 f"outside a forward/backward: read it inside `with engine.gathered_parameters():`, or take the "
@@ -122,6 +126,14 @@ def set_gathered(params: Any, gathered: bool) -> None:
     cls = nn.Parameter if gathered else PartitionedParameter
     for p in params:
         p.__class__ = cls
+
+
+def set_placeholders(params: Any, on: bool) -> None:
+    """While `on`, `.detach()` of these released parameters gives a meta tensor of their shape and dtype instead of
+    raising: what `nn.Module.state_dict()` calls on each parameter, during a state_dict the engine makes collective
+    (it then puts the gathered values, or on other ranks keeps the meta tensors, in the returned dict)."""
+    for p in params:
+        p.__dict__["_hfz_placeholder"] = on
 
 
 def _fake(p: torch.Tensor) -> bool:

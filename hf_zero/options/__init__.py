@@ -255,6 +255,11 @@ OPTIONS: Tuple[Option, ...] = (
            "returns once each rank's shard is copied to host memory, and the shard files are written and renamed "
            "into place on a thread while training goes on (save_checkpoint(async_save=True)); the next save, a load "
            "and the end of training wait for it. save_state(async_save=...) overrides it per call.", engine=False),
+    Option("state_dict_timeout_s", 120.0, Number(0),
+           "Stage 3: model.state_dict() and save_pretrained() gather the partitioned parameters, so every rank must "
+           "call them (the full weights go to rank 0, the other ranks get meta tensors); a rank waits this many "
+           "seconds for the others to call too, then raises an error naming the ranks that did not (a call on the "
+           "main process only) instead of hanging."),
 )
 
 BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
