@@ -293,21 +293,49 @@ def test_one_rank_async_equals_sync(tmp_path):
 
 _EXIT_SCRIPT = textwrap.dedent("""
     import sys
+    import threading
     sys.path[:0] = [{tests!r}, {root!r}]
+    import safetensors.torch as st
     import models
     from hf_zero import ZeroConfig, shard_model
     from hf_zero.checkpoint import save_checkpoint
+    from hf_zero.checkpoint.background import SaveHandle
+
+    # the good folder's write is held until the main thread, the script over, waits for the save (calls
+    # SaveHandle.result: seen by a profile function set as the script's last statement): a process that ends
+    # without that wait ends with the folder unwritten
+    waited = threading.Event()
+    real_save_file = st.save_file
+
+    def held(tensors, path, *a, **kw):
+        if threading.current_thread() is threading.main_thread():
+            raise RuntimeError(f"{{path}} was written on the training thread: the save was not asynchronous")
+        if str(path).startswith({good!r}) and not waited.wait(120):
+            raise RuntimeError("nothing waited for the save at exit")
+        return real_save_file(tensors, path, *a, **kw)
+
+    def watch(frame, event, arg, result=SaveHandle.result.__code__, waited=waited, setprofile=sys.setprofile):
+        # no global looked up: it also runs in finalization, when the module's globals are gone
+        if event == "call" and frame.f_code is result:
+            waited.set()
+            setprofile(None)
+
+    st.save_file = held
     engines = []
     for folder in ({good!r}, {bad!r}):
         model = models.make_model("gpt2")
         engines.append(shard_model(model, models.make_optimizer(model), ZeroConfig(stage=2)))
         handle = save_checkpoint(engines[-1], folder, step=3, async_save=True)
+        assert isinstance(handle, SaveHandle), handle
     print("returned", flush=True)
-    # the script ends here, both saves possibly in flight
+    sys.setprofile(watch)  # the script ends here, both saves in flight, the good one held
 """)
 
 
 def test_process_end_finishes_a_save_in_flight_and_logs_a_failure(tmp_path):
+    """A script ends with two saves in flight: the good one's write is held until the script is over and the
+    process waits for it (a process that did not wait at exit would end with the folder missing); the other one
+    fails (a file at the target), which is logged at exit."""
     good, bad = tmp_path / "good", tmp_path / "bad"
     bad.write_text("a file")
     script = _EXIT_SCRIPT.format(tests=str(HERE), root=str(ROOT), good=str(good), bad=str(bad))
@@ -315,7 +343,9 @@ def test_process_end_finishes_a_save_in_flight_and_logs_a_failure(tmp_path):
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "returned" in res.stdout
-    assert json.loads((good / "manifest.json").read_text())["step"] == 3  # finished at exit
+    assert "nothing waited" not in res.stderr and "training thread" not in res.stderr, res.stderr[-3000:]
+    assert (good / "manifest.json").is_file(), res.stderr[-3000:]  # finished at exit
+    assert json.loads((good / "manifest.json").read_text())["step"] == 3
     assert "at exit" in res.stderr and f"{bad} exists and is not a folder" in res.stderr, res.stderr[-3000:]
 
 
@@ -323,8 +353,9 @@ def test_process_end_finishes_a_save_in_flight_and_logs_a_failure(tmp_path):
 @pytest.mark.slow
 def test_a_process_killed_during_a_background_save_leaves_the_previous_checkpoint(tmp_path):
     """Two real ranks save ckpt (step 1), train, start an async save of step 2 and train on; rank 0's background
-    write reports that the temporary folder holds its partition file and blocks; the test kills rank 0 by its pid
-    there. Rank 1 must fail by itself (no hang), and ckpt loads the step-1 weights."""
+    write reports that the temporary folder holds its partition file and blocks; once rank 0's training thread has
+    also trained on, the test kills rank 0 by its pid. Rank 1 must fail by itself (no hang), and ckpt loads the
+    step-1 weights."""
     world = 2
     logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(world)]
     cmd = [sys.executable, str(KILL_SCRIPT), "--world", str(world), "--store", str(tmp_path / "store"),
@@ -332,8 +363,10 @@ def test_a_process_killed_during_a_background_save_leaves_the_previous_checkpoin
     procs = [subprocess.Popen(cmd + ["--rank", str(r)], stdout=logs[r], stderr=subprocess.STDOUT,
                               env=dict(os.environ, OMP_NUM_THREADS="1")) for r in range(world)]
     try:
-        paused, deadline = tmp_path / "paused", time.monotonic() + 300
-        while not (paused.is_file() and paused.read_text().strip()):
+        # rank 0's write is held (paused) and its training thread trained on after the call (trained.0): the save
+        # is in flight while training goes on
+        paused, trained, deadline = tmp_path / "paused", tmp_path / "trained.0", time.monotonic() + 300
+        while not (paused.is_file() and paused.read_text().strip() and trained.is_file()):
             dead = [r for r, p in enumerate(procs) if p.poll() is not None]
             if dead or time.monotonic() > deadline:
                 raise AssertionError(f"ranks {dead} exited / no pause:\n" + "\n".join(
@@ -379,25 +412,55 @@ def _torchrun(out: Path, *args: str) -> None:
     assert res.returncode == 0, f"{' '.join(cmd)}:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
 
 
+def _plain_adamw_one_step() -> torch.nn.Module:
+    """The reference: torch's AdamW on an unsharded GPT-2 in one process, one step on the whole of the first batch
+    (the two ranks' mean losses over equal halves average to its mean), as the integrations script trains."""
+    model = models.make_model("gpt2")
+    opt = models.make_optimizer(model)
+    x = models.make_batches(1, 1)[0][0]
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    return model
+
+
 @pytest.mark.slow
 def test_accelerate_save_state_async_round_trip(tmp_path):
-    """save_state(async_save=True): zero_shards/ equals a synchronous save_state's of the same state, and
-    load_state of it gives back the weights at the save although training went on meanwhile."""
+    """save_state(async_save=True) returns with its shards still unwritten (held until training went on: the
+    folder is not there yet, and the training thread wrote none of them); zero_shards/ then equals a synchronous
+    save_state's of the same state, exported it holds the weights of torch's AdamW trained in one process on the
+    same batch, and load_state of it gives back the weights at the save although training went on meanwhile."""
+    from hf_zero.checkpoint import export_pretrained
+
     _torchrun(tmp_path, "--mode", "accelerate")
     got = json.loads((tmp_path / "result.json").read_text())
+    assert got["in_flight"] and got["on_training_thread"] == [], got
     assert got["changed"] and got["loaded_is_before"], got
     assert_same_folder(tmp_path / "sync" / "zero_shards", tmp_path / "async" / "zero_shards")
+    exported = export_pretrained(tmp_path / "async" / "zero_shards", tmp_path / "exported", progress=False)
+    plain = _plain_adamw_one_step()
+    plain.save_pretrained(tmp_path / "plain")
+    want, weights = st.load_file(tmp_path / "plain" / "model.safetensors"), st.load_file(exported / "model.safetensors")
+    assert sorted(weights) == sorted(want)
+    start = models.make_model("gpt2").state_dict()
+    for name, value in want.items():  # fp32: the halves and the whole batch differ in summation order only
+        assert not torch.equal(value, start[name]), f"{name}: the step did not change it: the check proves nothing"
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.slow
 def test_zero_trainer_async_checkpoints_equal_sync_and_rotate_after_completion(tmp_path):
-    """ZeroPlugin(async_save=True) under ZeroTrainer with a checkpoint every step and save_total_limit=1: the run
-    ends with the last checkpoint complete and the older ones rotated away, its shards byte for byte a synchronous
-    run's."""
+    """ZeroPlugin(async_save=True) under ZeroTrainer with a checkpoint every step and save_total_limit=1: each
+    checkpoint's shards are still unwritten when the next step ends (held there; a synchronous run's are written),
+    the run ends with the last checkpoint complete and the older ones rotated away, its shards byte for byte a
+    synchronous run's."""
     for mode in ("sync", "async"):
         _torchrun(tmp_path / mode, "--mode", "trainer", *(["--async-save"] if mode == "async" else []))
-        left = json.loads((tmp_path / mode / "result.json").read_text())["left"]
-        assert left == ["checkpoint-4"], (mode, left)
+        got = json.loads((tmp_path / mode / "result.json").read_text())
+        assert got["left"] == ["checkpoint-4"], (mode, got)
+        # at the end of step N + 1, checkpoint-N's shards: written by the save itself (sync), or still held
+        # (async: in flight while training went on, none written by the training thread)
+        assert got["there_at_next_step"] == {str(n): mode == "sync" for n in (1, 2, 3)}, (mode, got)
+        assert (got["on_training_thread"] == []) == (mode == "async"), (mode, got)
         assert json.loads((tmp_path / mode / "checkpoint-4" / "zero_shards" / "manifest.json").read_text())[
             "step"] == 4
     assert_same_folder(tmp_path / "sync" / "checkpoint-4" / "zero_shards",

@@ -4,8 +4,9 @@
 
 Trains a tiny GPT-2 at stage 1 for one step, saves DIR/ckpt (step 1) and writes rank 0's full weights at that
 point to DIR/first.safetensors, trains one more step and starts an asynchronous save of DIR/ckpt (step 2); the
-training thread trains on (and prints "trained on") and then waits for the save. Rank 0's background write puts
-its partition file into DIR/ckpt.tmp-ID, creates DIR/paused with its pid and blocks there until the test kills it.
+training thread trains on (then creates DIR/trained.R and prints "trained on") and waits for the save. Rank 0's
+background write puts its partition file into DIR/ckpt.tmp-ID, creates DIR/paused with its pid and blocks there
+until the test kills it.
 """
 import argparse
 import contextlib
@@ -73,6 +74,8 @@ if args.rank == 0:
 
 handle = save_checkpoint(engine, ckpt, step=2, async_save=True)
 train(2)
+with open(os.path.join(args.dir, f"trained.{args.rank}"), "w"):  # the save is in flight and training went on
+    pass
 print("trained on", flush=True)
 handle.result()
 print("the background save finished: the test expected a kill", file=sys.stderr)
