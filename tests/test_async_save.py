@@ -4,8 +4,11 @@ are written; a second save waits for the first; a failure in the background rais
 save / wait / close on every rank and leaves the previous checkpoint whole; a process killed during a background
 save leaves the previous checkpoint loadable; at exit a save in flight is finished and a failure logged.
 
-The synchronous save is the reference. The order of events is forced with gates inside the save's own write
-(`safetensors.torch.save_file`, which hf_zero calls by that name so that tests can patch it), never with sleeps.
+The synchronous save of the same writer is the reference, and once (Accelerate) an asynchronous folder, exported, is
+checked against torch's AdamW trained in one process on the same batch. The order of events is forced with gates
+inside the save's own write (`safetensors.torch.save_file`, which hf_zero calls by that name so that tests can patch
+it), never with sleeps: a save held at its gate is in flight by construction, so every test that says training went
+on during a save (the Accelerate, Trainer, kill and exit tests included) sees the save unfinished there.
 """
 from __future__ import annotations
 
