@@ -1,16 +1,22 @@
 """`hf-zero estimate --dry-run` (tools/estimate/dry_run.py): the real engine as one rank of N on fake tensors.
 
 - against real runs: at N = 2, 3, 4 on gloo (the tests' tiny GPT-2 and Llama, stages 0-3), every rank's model-state
-  bytes equal the real run's memory_stats() and a first-principles count (_flat_layout), and the ledger of the step
-  equals the real run's call for call (kind, elements, bytes, intra/inter); the peak of live tensor bytes is the
-  real run's less gloo's own temporaries, within PEAK_MARGIN (the same LiveBytes tracker on real tensors);
+  bytes equal the real run's memory_stats() and a first-principles count (_flat_layout); the ledger of the step
+  is the paper's volumes on the flat groups as padded (`paper_calls`), call for call, and the real run's; the
+  real run's peak of live tensor bytes lies between its model states (the count) and a bound made of the count,
+  the parameter count, the gradient buckets and the activations a plain torch run saves (`peak_bound`), and the
+  dry run's is the real one less gloo's own temporaries, within PEAK_MARGIN (the same LiveBytes tracker);
 - at N = 1024 for a Llama of more than 1e9 parameters: model-state bytes per rank against the paper's formula
-  (within 1%), the ledger against the paper's counting;
+  (within 1%), the ledger against the paper's counting on the padded groups, exactly;
+- HSDP and hpZ at N = 64 in hosts of 8: the ledger's intra- and inter-host volumes, exactly; qgZ's error-feedback
+  residuals: one fp32 residual per gradient group and hop;
 - the control plane's simulated answers, the Llama shape for --params, the live-bytes tracker on real tensors, and
   the command line's errors: no process spawned.
 """
 import contextlib
+import functools
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -18,7 +24,7 @@ import torch.distributed as dist
 
 import models
 from _dist import DistResults
-from _flat_layout import state_bytes
+from _flat_layout import layout, state_bytes
 from hf_zero.config import ZeroConfig
 from hf_zero.engine.control import LocalControl, SimulatedControl
 from hf_zero.tools.estimate.dry_run import CANNOT_SEE, dry_run
@@ -38,6 +44,99 @@ PEAK_MARGIN = 0.01
 def _config(stage):
     return ZeroConfig(stage=stage)
 KEYS = ("params", "grads", "master", "optimizer_states", "model_states")
+
+
+# ------------------------------------------------------------------------------------------ the paper's volumes
+def resident_units(groups):
+    """Units stage 3 keeps gathered from the forward into the backward under reshard_after_forward="auto" (FSDP2's
+    and torchtitan's policy, models.resident_numel): the root and the last decoder layer."""
+    return {0, max(g.unit for g in groups)}
+
+
+def paper_calls(shapes, n, stage, m, partition=None):
+    """The data collectives of one optimizer step of `m` micro-batches (all but the last under no_sync), as
+    Counter((kind, elements)), in the paper's counting: an all-gather or a reduce-scatter of a P-element buffer
+    books P elements, an all-reduce 2P (each rank sends (N-1)/N of that: the paper's 2Psi(N-1)/N for DDP). One
+    collective per flat group, on the groups as hf_zero pads them (tests/_flat_layout.py: each padded to a multiple
+    of the partition, so padding adds fewer than N elements per group and collective):
+
+    - stage 0 (DDP): one all-reduce per group at the accumulation boundary;
+    - stage 1: the gradients accumulate locally, one reduce-scatter per group at the boundary, one all-gather of the
+      updated parameters after the step: 2Psi, the same as DDP;
+    - stage 2: a reduce-scatter per group and micro-batch (what bounds the gradient memory), the all-gather after
+      the step: (m + 1) Psi, DDP's 2Psi at m = 1;
+    - stage 3: per micro-batch an all-gather per group in the forward, again in the backward except for the
+      resident units, and a reduce-scatter: m (3Psi - resident), the paper's 1.5x DDP."""
+    groups = layout(shapes, 1 if stage == 0 else (partition or n))
+    resident = resident_units(groups)
+    calls = Counter()
+    for g in groups:
+        if stage == 0:
+            calls["all_reduce", 2 * g.padded] += 1
+        elif stage < 3:
+            calls["reduce_scatter", g.padded] += 1 if stage == 1 else m
+            calls["all_gather", g.padded] += 1
+        else:
+            calls["reduce_scatter", g.padded] += m
+            calls["all_gather", g.padded] += m * (1 if g.unit in resident else 2)
+    return calls
+
+
+def paper_totals(shapes, n, stage, m):
+    """Elements per kind of one step, written as the paper writes them, with Psi the padded parameter count
+    (Psi + padding) and R the resident units' elements."""
+    groups = layout(shapes, 1 if stage == 0 else n)
+    psi = sum(g.padded for g in groups)
+    resident = sum(g.padded for g in groups if g.unit in resident_units(groups))
+    return {0: {"all_reduce": 2 * psi},
+            1: {"reduce_scatter": psi, "all_gather": psi},
+            2: {"reduce_scatter": m * psi, "all_gather": psi},
+            3: {"reduce_scatter": m * psi, "all_gather": m * (2 * psi - resident)}}[stage]
+
+
+# ------------------------------------------------------------------------------------------ an independent peak
+@functools.lru_cache(maxsize=None)
+def saved_activation_bytes(kind):
+    """Bytes of the tensors a plain torch forward of one micro-batch saves for its backward (the activations),
+    other than the parameters: counted by saved-tensor hooks on the model the dry run builds, no hf_zero, no
+    tracker. Each storage once."""
+    from hf_zero.integrations.hf_models import causal_lm_from_config
+
+    torch.manual_seed(0)
+    model = causal_lm_from_config(models._config(kind))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    return sum(saved.values())
+
+
+def peak_bound(kind, shapes, n, stage, rank):
+    """(lower, upper) for the peak of live tensor bytes of a step on `rank`, from the count, not from a tracker.
+
+    Lower: the model states after the step (tests/_flat_layout.py), all alive at its end. Upper: those, plus what
+    can be alive beside them at once: the activations of a micro-batch and as much again for their gradients in
+    the backward (2 x saved_activation_bytes); one full-size fp32 gradient per parameter (4 Psi: autograd's before
+    the reducer takes them, or AdamW's foreach temporaries at the step, about one master's worth at stage 0); at
+    stages 2-3 every flat group's gradient bucket at once (the configured reduce_bucket_size is far above these
+    groups, so none is split and the reducer's budget of 4 buckets in flight does not bind); at stage 3 every
+    unit gathered at once (the prefetch of a 2-layer model)."""
+    groups = layout(shapes, 1 if stage == 0 else n)
+    flat = 4 * sum(g.padded for g in groups)  # fp32
+    assert max(4 * g.padded for g in groups) < _config(stage).reduce_bucket_size  # one bucket per group
+    states = state_bytes(shapes, n, stage, rank)["model_states"]
+    psi = sum(p.numel() for p in shapes.parameters())
+    buckets = flat if stage >= 2 else 0
+    gathered = flat if stage == 3 else 0
+    return states, states + 2 * saved_activation_bytes(kind) + 4 * psi + buckets + gathered
 
 
 # ------------------------------------------------------------------------------------------ real runs on gloo
@@ -95,25 +194,52 @@ def test_dry_run_equals_a_real_run(real_runs, world_size, kind, stage):
     real = real_runs(world_size, f"{kind}-s{stage}")
     with torch.device("meta"):
         shapes = models.make_model(kind)
+    want_calls = paper_calls(shapes, world_size, stage, MICRO)
+    totals = paper_totals(shapes, world_size, stage, MICRO)
     for rank in range(world_size):
         dry = dry_run(models._config(kind), _config(stage), world_size, rank=rank, batch_size=BATCH,
                       seq_len=SEQ, micro_batches=MICRO, trace=True)
         got = {k: dry["measured"][k] for k in KEYS}
         assert got == real[rank]["memory"], f"rank {rank}: dry run {got} vs real run {real[rank]['memory']}"
         assert got == state_bytes(shapes, world_size, stage, rank), f"rank {rank}: vs the count"
+        # the ledger: the paper's volumes on the padded groups, call for call (fp32, one host: all intra-host)
+        calls = Counter((kd, e) for kd, e, _, _ in dry["trace"] if kd != "control")
+        assert calls == want_calls, f"rank {rank}: ledger {sorted(calls.items())} vs {sorted(want_calls.items())}"
+        assert all(b == 4 * e and not inter for _, e, b, inter in dry["trace"]), f"rank {rank}: fp32, intra-host"
+        assert {kd: dry["ledger"][kd]["elements"] for kd in totals} == totals, f"rank {rank}: per kind"
+        assert dry["ledger"]["total"]["elements"] == sum(totals.values())
         assert [tuple(c) for c in dry["trace"]] == [tuple(c) for c in real[rank]["trace"]], f"rank {rank}: ledger"
         for kd in ("all_gather", "reduce_scatter", "all_reduce", "total"):
             assert dry["ledger"].get(kd) == real[rank]["ledger"].get(kd), f"rank {rank}: {kd}"
+        # the real run's peak, bounded from the count; the dry run's, the real one's
+        lower, upper = peak_bound(kind, shapes, world_size, stage, rank)
+        assert lower <= real[rank]["peak"] <= upper, (
+            f"rank {rank}: the real run's peak of live tensor bytes {real[rank]['peak']} is outside [{lower}, {upper}]")
         assert abs(dry["peak"]["total"] - real[rank]["peak"]) <= PEAK_MARGIN * real[rank]["peak"], (
             f"rank {rank}: peak of live tensor bytes, dry {dry['peak']['total']} vs real {real[rank]['peak']}")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_dry_run_ledger_is_the_papers_at_3_ranks(kind, stage):
+    """The quick half of the test above, without real runs: at N = 3 (padding in every group) the last rank's
+    ledger is the paper's volumes on the padded groups, call for call, and its peak lies within peak_bound."""
+    n, rank = 3, 2
+    with torch.device("meta"):
+        shapes = models.make_model(kind)
+    dry = dry_run(models._config(kind), _config(stage), n, rank=rank, batch_size=BATCH, seq_len=SEQ,
+                  micro_batches=MICRO, trace=True)
+    assert Counter((kd, e) for kd, e, _, _ in dry["trace"] if kd != "control") == paper_calls(shapes, n, stage, MICRO)
+    lower, upper = peak_bound(kind, shapes, n, stage, rank)
+    assert lower <= dry["peak"]["total"] <= upper
 
 
 # ------------------------------------------------------------------------------------------ at cluster scale
 def test_dry_run_at_1024_ranks_of_a_billion_parameter_llama_matches_the_paper():
     """Stage 3 at N = 1024 (hosts of 8) for a Llama of ~1.3e9 parameters, bf16 with fp32 gradient accumulation:
     model states per rank are (2 + 4 + 4 + 8) Ψ / N bytes (params, grads, master, Adam), within 1% (padding and
-    the `step` scalars); the ledger sends m Ψ reduce-scatter elements and m(2Ψ - resident) all-gather elements,
-    all of them inter-host (the partition spans 128 hosts)."""
+    the `step` scalars); the ledger books m Ψ reduce-scatter elements and m(2Ψ - resident) all-gather elements on
+    the groups padded to 1024 (paper_totals), exactly, all of them inter-host (the partition spans 128 hosts)."""
     n, m = 1024, 2
     spec = llama_of_size(1.3e9)
     with torch.device("meta"):
@@ -127,24 +253,27 @@ def test_dry_run_at_1024_ranks_of_a_billion_parameter_llama_matches_the_paper():
     assert out["psi"] == psi
     formula = 18 * psi / n
     assert abs(out["measured"]["model_states"] - formula) <= 0.01 * formula, (out["measured"], formula)
-    layers = spec["num_hidden_layers"]
-    # the root unit (embeddings, final norm, head) and the last layer stay gathered into the backward ("auto")
-    h, v = spec["hidden_size"], spec["vocab_size"]
-    resident = (psi - layers * ((psi - 2 * v * h - h) // layers)) + (psi - 2 * v * h - h) // layers
-    slack = n * len(list(meta.parameters()))  # padding: at most N - 1 elements per flat buffer
+    # the ledger: the paper's volumes on the groups padded to 1024; the partition spans 128 hosts: all inter-host
+    want = paper_totals(meta, n, 3, m)
     ledger = out["ledger"]
     assert ledger["total"]["intra_elements"] == 0
-    assert abs(ledger["reduce_scatter"]["inter_elements"] - m * psi) <= m * slack
-    assert abs(ledger["all_gather"]["inter_elements"] - m * (2 * psi - resident)) <= 2 * m * slack
+    assert {kd: ledger[kd]["inter_elements"] for kd in want} == want
+    assert ledger["total"]["inter_elements"] == sum(want.values())
     assert ledger["all_gather"]["bytes"] == 2 * ledger["all_gather"]["elements"]  # bf16 gathers
     assert ledger["reduce_scatter"]["bytes"] == 4 * ledger["reduce_scatter"]["elements"]  # fp32 reductions
 
 
 @pytest.mark.parametrize("hierarchy", ["hsdp", "hpz"])
 def test_dry_run_hierarchy_at_64_ranks(hierarchy):
-    """HSDP and hpZ over hosts of 8 at N = 64 (tiny GPT-2, fp32): HSDP holds the stage-3 model states of 8 ranks
-    (16 Ψ / 8 bytes) and sends only the 2Ψ/8 all-reduce of its gradient shard per micro-batch across hosts; hpZ
-    holds 16 Ψ / 64 and gathers the backward inside the host."""
+    """HSDP and hpZ over hosts of 8 at N = 64 (tiny GPT-2, fp32, one micro-batch), the ledger exactly, on the flat
+    groups as padded (P elements, R of them the resident units', paper_calls' counting):
+
+    - HSDP holds the stage-3 model states of 8 ranks (16 Ψ / 8 bytes, groups padded to 8); its all-gathers
+      (2P - R) and reduce-scatter (P) stay inside the host, and only the all-reduce of the gradient shard crosses
+      hosts: 2 P / 8 elements;
+    - hpZ (ZeRO++) holds 16 Ψ / 64 (groups padded to 64); the forward's all-gather (P) and the reduce-scatter (P)
+      cross hosts, the backward's all-gather (P - R) comes from the host's secondary copy and stays inside: the
+      cross-host volume is 2P where plain stage 3 sends 3P - R (the paper's 3Ψ -> 2Ψ without quantization)."""
     n, k, m = 64, 8, 1
     kind = "gpt2"
     with torch.device("meta"):
@@ -155,14 +284,16 @@ def test_dry_run_hierarchy_at_64_ranks(hierarchy):
     assert out["option"] == hierarchy
     partition = k if hierarchy == "hsdp" else n
     assert {x: out["measured"][x] for x in KEYS} == state_bytes(shapes, n, 3, 0, partition=partition)
-    ledger = out["ledger"]
-    psi = sum(p.numel() for p in shapes.parameters())
+    groups = layout(shapes, partition)
+    p = sum(g.padded for g in groups)
+    r = sum(g.padded for g in groups if g.unit in resident_units(groups))
+    ledger = {kd: (v["intra_elements"], v["inter_elements"]) for kd, v in out["ledger"].items() if kd != "total"}
     if hierarchy == "hsdp":
-        assert set(k_ for k_ in ledger if ledger[k_].get("inter_elements")) <= {"all_reduce", "total"}
-        shard = out["ledger"]["all_reduce"]["inter_elements"] / 2
-        assert psi / k <= shard <= psi / k + 3 * len(list(shapes.parameters()))  # padding of the K-way shard
+        assert ledger == {"all_gather": (m * (2 * p - r), 0), "reduce_scatter": (m * p, 0),
+                          "all_reduce": (0, m * 2 * p // k)}
     else:
-        assert ledger["all_gather"]["intra_elements"] > 0 and ledger["all_gather"]["inter_elements"] > 0
+        assert ledger == {"all_gather": (m * (p - r), m * p), "reduce_scatter": (0, m * p)}
+        assert out["ledger"]["total"]["inter_elements"] == 2 * m * p < m * (3 * p - r)
 
 
 # ------------------------------------------------------------------------------------------ no process spawned
@@ -290,9 +421,14 @@ def test_dry_run_through_the_engine_paths(name, options, precision):
         want["master"] = want["params"]
         want["model_states"] += want["params"]
     assert {k: out["measured"][k] for k in KEYS} == want, name
-    if "error feedback" in name:  # qgZ's fp32 residuals, one per gradient group and hop
-        assert out["measured"]["error_feedback"] > 0
-        assert "quantized" in " ".join(out["ledger_by_strategy"])
+    if "error feedback" in name:
+        # qgZ across 2 hosts of 2 reduces in two hops (ZeRO++'s hierarchical all-to-all): a group's whole padded
+        # bucket inside the host, then the host's sums, 1/K of it, across hosts; error feedback keeps one fp32
+        # residual per gradient group and hop, each the size of what that hop quantizes
+        k = 2
+        groups = [g for g in layout(shapes, n) if g.trainable]
+        assert out["measured"]["error_feedback"] == sum(4 * (g.padded + g.padded // k) for g in groups)
+        assert "quantized-int4" in out["ledger_by_strategy"]
 
 
 @pytest.mark.parametrize("name,params", [("meta-llama/Llama-2-7b-hf", 6_738_415_616),

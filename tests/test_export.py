@@ -30,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 import models
 from _dist import DistResults
 from _flat_layout import layout
-from hf_zero.checkpoint import export_pretrained, load_checkpoint, save_checkpoint
+from hf_zero.checkpoint import export_pretrained, save_checkpoint
 
 WORLD = 4
 SMALL = "20KB"  # tiny models: ~52 KB (GPT-2) / ~178 KB (Llama) of weights -> 3 / 9 files
