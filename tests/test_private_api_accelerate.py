@@ -155,6 +155,42 @@ def test_add_model_registers_once(stock):
         stock["acc"]._models.remove(extra)
 
 
+# ------------------------------------------------------------------------------------ the overridden methods
+# Accelerator methods HfZeroAccelerator overrides, with stock's parameters (after self): a rename upstream would
+# leave the override unused (the model unsharded, the state saved without its shards)
+OVERRIDES = {
+    "prepare": ("args", "device_placement"),
+    "prepare_model": ("model", "device_placement", "evaluation_mode"),
+    "prepare_optimizer": ("optimizer", "device_placement"),
+    "backward": ("loss", "kwargs"),
+    "no_sync": ("model",),
+    "clip_grad_norm_": ("parameters", "max_norm", "norm_type"),
+    "clip_grad_value_": ("parameters", "clip_value"),
+    "unscale_gradients": ("optimizer",),
+    "get_state_dict": ("model", "unwrap"),
+    "save_state": ("output_dir", "safe_serialization", "save_model_func_kwargs"),
+    "load_state": ("input_dir", "load_kwargs", "load_model_func_kwargs"),
+    "free_memory": ("objects",),
+}
+
+
+def test_every_accelerator_method_hf_zero_overrides_is_stocks():
+    from accelerate import Accelerator
+    from hf_zero.integrations.accelerate import HfZeroAccelerator
+
+    P = inspect.Parameter
+    overrides = {n for n, v in vars(HfZeroAccelerator).items() if not n.startswith("__") and hasattr(Accelerator, n)}
+    assert overrides == set(OVERRIDES), (f"overridden now: {sorted(overrides)}; a name missing is one Accelerate no "
+                                         f"longer has (hf_zero's method is never called), an extra one collides")
+    for name, params in OVERRIDES.items():
+        stock = inspect.signature(getattr(Accelerator, name))
+        theirs = list(stock.parameters.values())[1:]
+        assert tuple(p.name for p in theirs) == params, f"Accelerator.{name}{stock}"
+        args = [object() for p in theirs if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+        kwargs = {p.name: object() for p in theirs if p.kind is P.KEYWORD_ONLY}
+        inspect.signature(vars(HfZeroAccelerator)[name]).bind(None, *args, **kwargs)  # stock's calls bind to ours
+
+
 # ------------------------------------------------------------------------------------ the folder's files
 def test_save_state_names_its_files_as_the_adapter_says(stock):
     from accelerate.utils import OPTIMIZER_NAME, SAFE_MODEL_NAME, SAMPLER_NAME, SCHEDULER_NAME
