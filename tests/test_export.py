@@ -454,9 +454,9 @@ def test_online_export_memory_is_bounded(dist_results, big, root, capsys):
 
     One allowance, torch's and not the export's: a gathered group the export has dropped can live on for a moment
     in gloo's worker thread, whose finished work still owns the chunks it broadcast until that thread lets go of
-    it (after wait() has returned); the next group may be allocated before. Measured on rank 1: 28.5 MiB (the root
-    group and a layer group) in some runs, 16.5 MiB (the root group) in others. So the bound adds the group that
-    can linger (the second largest: the largest can only overlap another)."""
+    it (after wait() has returned); the next group may be allocated before. Measured on rank 1 in three runs: 28.5 MiB
+    (the root group and a layer group), 24.1 MiB (two layer groups), 16.5 MiB (the root group alone). So the bound
+    adds the group that can linger (the second largest: the largest can only overlap another)."""
     writer, other = dist_results(WORLD, "big-online")[:2]
     with capsys.disabled():
         print(f"\n[memory] online, stage 3 on 2 ranks: largest file {_mib(big['file'])}, groups {_mib(big['group'])} "
@@ -465,12 +465,14 @@ def test_online_export_memory_is_bounded(dist_results, big, root, capsys):
     assert writer["largest_group"] == big["group"]
     lingering = big["group2"]
     assert other["tensors"] >= big["group"], "the counter did not see rank 1 gather the largest group"
-    assert other["tensors"] + other["heap"] <= big["group"] + lingering, (
-        f"rank 1 (gathers only): {_mib(other['tensors'])} of tensors + {_mib(other['heap'])} of Python heap, more "
-        f"than one group ({_mib(big['group'])}) and the one gloo may still hold ({_mib(lingering)})")
+    assert other["tensors"] <= big["group"] + lingering, (
+        f"rank 1 (gathers only) allocated {_mib(other['tensors'])} of tensors, more than one group "
+        f"({_mib(big['group'])}) and the one gloo may still hold ({_mib(lingering)})")
     assert writer["tensors"] >= big["file"], "the counter did not see the output file rank 0 held"
-    assert writer["tensors"] + writer["heap"] <= big["file"] + big["group"] + lingering, (
-        f"online export: {_mib(writer['tensors'])} of tensors + {_mib(writer['heap'])} of Python heap on rank 0, "
-        f"more than one output file ({_mib(big['file'])}) + one group ({_mib(big['group'])}) and the one gloo may "
-        f"still hold ({_mib(lingering)})")
+    assert writer["tensors"] <= big["file"] + big["group"] + lingering, (
+        f"online export: {_mib(writer['tensors'])} of tensors on rank 0, more than one output file "
+        f"({_mib(big['file'])}) + one group ({_mib(big['group'])}) and the one gloo may still hold "
+        f"({_mib(lingering)})")
+    # the data is in tensors; the Python heap is the loop's objects and the index (0.2-0.4 MiB measured)
+    assert writer["heap"] < 2**20 and other["heap"] < 2**20, (writer["heap"], other["heap"])
     assert_same_bytes(os.path.join(root, "big-online"), big["ref"])
