@@ -53,7 +53,7 @@ def resident_units(groups):
     return {0, max(g.unit for g in groups)}
 
 
-def paper_calls(shapes, n, stage, m, partition=None):
+def paper_calls(shapes, n, stage, m):
     """The data collectives of one optimizer step of `m` micro-batches (all but the last under no_sync), as
     Counter((kind, elements)), in the paper's counting: an all-gather or a reduce-scatter of a P-element buffer
     books P elements, an all-reduce 2P (each rank sends (N-1)/N of that: the paper's 2Psi(N-1)/N for DDP). One
@@ -67,7 +67,7 @@ def paper_calls(shapes, n, stage, m, partition=None):
       the step: (m + 1) Psi, DDP's 2Psi at m = 1;
     - stage 3: per micro-batch an all-gather per group in the forward, again in the backward except for the
       resident units, and a reduce-scatter: m (3Psi - resident), the paper's 1.5x DDP."""
-    groups = layout(shapes, 1 if stage == 0 else (partition or n))
+    groups = layout(shapes, 1 if stage == 0 else n)
     resident = resident_units(groups)
     calls = Counter()
     for g in groups:
