@@ -286,7 +286,9 @@ class DcpSource(ForeignSource):
 
     def _param(self, name: str, aliases: List[str], trainable: bool) -> ParamInfo:
         key = self._model_prefix + name
-        dtype = "float32" if trainable else str(self._entries[key][1].properties.dtype).replace("torch.", "")
+        stored = self._entries[key][1].properties.dtype
+        # a trained parameter reads as its master: fp32, or its own wider dtype (an fp64 model stays fp64)
+        dtype = str(torch.promote_types(stored, torch.float32) if trainable else stored).replace("torch.", "")
         return ParamInfo(name, self._size(key), dtype, trainable, 0, aliases)
 
     def _tie(self, name: str, params: List[ParamInfo]) -> Optional[ParamInfo]:
@@ -446,7 +448,7 @@ class DcpSource(ForeignSource):
             if key is None:
                 return None
         out = self._tensor(key).reshape(-1)[lo:hi]
-        return out.to(torch.float32, copy=True) if p.trainable else out.clone()
+        return out.to(torch.promote_types(out.dtype, torch.float32), copy=True) if p.trainable else out.clone()
 
     def _scalar(self, p: ParamInfo, key: str) -> Optional[float]:
         return self._state_scalar(p.name, key)

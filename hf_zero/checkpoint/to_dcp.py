@@ -60,7 +60,10 @@ def _entries(src: CheckpointSource, manifest: Dict[str, Any], model_key: str,
         keys = _state_keys(src, g) if g["trainable"] else []
         for s in g["slots"]:
             name, shape, numel = s["name"], tuple(s["shape"]), s["numel"]
-            dtype = torch.float32 if g["trainable"] else getattr(torch, s["dtype"])
+            dtype = getattr(torch, s["dtype"])
+            # trained values and moments as the masters hold them: fp32, or the parameter's own wider dtype (fp64)
+            master = torch.promote_types(dtype, torch.float32)
+            dtype = master if g["trainable"] else dtype
 
             def values(name=name, shape=shape, numel=numel, dtype=dtype) -> torch.Tensor:
                 return src.read(name, "values", 0, numel).to(dtype).view(shape)
@@ -77,13 +80,13 @@ def _entries(src: CheckpointSource, manifest: Dict[str, Any], model_key: str,
             if step is not None:
                 optim.append(((optim_key, "state", name, "step"), 4, torch.tensor(float(step))))
             for key in keys:
-                def state(name=name, shape=shape, numel=numel, key=key) -> torch.Tensor:
+                def state(name=name, shape=shape, numel=numel, key=key, master=master) -> torch.Tensor:
                     v = src.read(name, f"state.{key}", 0, numel)
                     if v is None:
                         raise CheckpointError(f"{src.dir}: {name} has no {key} in some partition: damaged checkpoint")
-                    return v.to(torch.float32).view(shape)
+                    return v.to(master).view(shape)
 
-                optim.append(((optim_key, "state", name, key), numel * 4, state))
+                optim.append(((optim_key, "state", name, key), numel * master.itemsize, state))
     for b in (manifest.get("model") or {}).get("buffers") or []:
         for alias in b["aliases"]:
             model.append(((model_key, alias), 0, lambda n=b["name"]: src.buffer(n)))
@@ -172,8 +175,9 @@ def export_dcp(src_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike
     `layout="torch"`: one DCP folder of {"model": ..., "optim": ...} (torchtitan's and the DCP tutorials' form,
     what `dcp.load` + `set_model_state_dict` / `set_optimizer_state_dict` read). `layout="accelerate"`: Accelerate's
     FSDP2 `save_state` folders, `out_dir/pytorch_model_fsdp_0/` ({"model": ...}) and `out_dir/optimizer_0/`
-    ({"optimizer": ...}), which its `load_state` reads. Weights of trained parameters are hf_zero's fp32 masters;
-    Adam's moments are fp32, its step a 0-d float32 tensor, as torch's Adam keeps them. Host memory: about
+    ({"optimizer": ...}), which its `load_state` reads. Weights of trained parameters are hf_zero's masters
+    (fp32, or fp64 for an fp64 parameter); Adam's moments are in the same dtype, its step a 0-d float32 tensor, as
+    torch's Adam keeps them. Host memory: about
     `batch_bytes` (module docstring). Written to a scratch folder beside `out_dir` and renamed into place, so
     `out_dir` is complete or absent. Returns `out_dir`."""
     if layout not in ("torch", "accelerate"):
