@@ -172,6 +172,7 @@ class _EngineReader:
         self.gathers = engine.partition_comm.global_rank(0) == engine.comm.global_rank(0)  # rank 0's replica
         self._index: Optional[int] = None
         self._full: Optional[torch.Tensor] = None
+        self._reuse: Dict[torch.dtype, torch.Tensor] = {}  # one gather buffer per dtype, the largest group's size
         self.collective = True
         _, self.buffers = model_layout(engine)
 
@@ -183,8 +184,7 @@ class _EngineReader:
             return None
         gi = e.group["index"]
         if gi != self._index:
-            self._full = None  # drop the previous group before gathering the next
-            self._full = full_group_values(self.engine, gi, "export")
+            self._full = full_group_values(self.engine, gi, "export", reuse=self._reuse)
             self._index = gi
         if not self.rank0:
             return None
@@ -192,7 +192,7 @@ class _EngineReader:
         return self._full[s["offset"]:s["offset"] + s["numel"]].view(e.shape).to("cpu", e.dtype, copy=True)
 
     def close(self) -> None:
-        self._full, self._index = None, None
+        self._full, self._index, self._reuse = None, None, {}
 
 
 # ---------------------------------------------------------------------------------------------- config files

@@ -128,16 +128,28 @@ def partition(engine: ZeroEngine) -> Tuple[int, int]:
 
 
 @torch.no_grad()
-def full_group_values(engine: ZeroEngine, index: int, purpose: str) -> torch.Tensor:
+def full_group_values(engine: ZeroEngine, index: int, purpose: str,
+                      reuse: Optional[Dict[torch.dtype, torch.Tensor]] = None) -> torch.Tensor:
     """Collective over the partition group when the group is partitioned: group `index`'s whole flat values
     (padded; the master for trainable groups, the compute values for frozen ones) on the engine's device; the
-    rank's own tensor when nothing is partitioned. `purpose` names the all-gather in the ledger."""
+    rank's own tensor when nothing is partitioned. `purpose` names the all-gather in the ledger.
+
+    `reuse`: gather into one buffer per dtype kept in this dict, the size of the engine's largest group, so that
+    gathering groups one after another holds one group's bytes at a time (a dropped buffer may outlive its
+    collective's wait() in the backend's own thread for a moment, long enough to meet the next group's); the
+    returned tensor is then a view of it, valid until the next call."""
     g = engine.groups[index]
     src = g.master if g.plan.trainable else g.frozen_values()
     if g.plan.shard_numel == g.plan.padded_numel:  # not partitioned
         return src
     local = src.to(engine.device)
-    full = torch.empty(g.plan.padded_numel, dtype=local.dtype, device=engine.device)
+    if reuse is None:
+        full = torch.empty(g.plan.padded_numel, dtype=local.dtype, device=engine.device)
+    else:
+        if local.dtype not in reuse:
+            largest = max(other.plan.padded_numel for other in engine.groups)
+            reuse[local.dtype] = torch.empty(largest, dtype=local.dtype, device=engine.device)
+        full = reuse[local.dtype][:g.plan.padded_numel]
     engine.partition_comm.all_gather(full, local, f"{purpose} group {g.plan.index}", async_op=False)
     return full
 
