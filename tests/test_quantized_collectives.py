@@ -3,13 +3,19 @@ flat and the chunked strategy, against the plain-PyTorch reference of tests/test
 bit-equal to what the reference computes from every rank's input (which the test process rebuilds from the seeds).
 
 Shards of 37 elements (blocks of 16 do not divide them: a short last block per chunk) and of 32 (they do).
+
+Also qgZ's exact slots (engine/routes.py `ExactSlots`): the rule that keeps 1-D and sub-block parameters out of the
+quantization (no process), and the route over real gloo groups against the same reference.
 """
 import pytest
 import torch
 
 from _dist import DistResults
 from hf_zero.engine.collectives import Chunked, Flat, Quantized
-from hf_zero.engine.comm import Comm
+from hf_zero.engine.comm import Comm, Ledger, Quantization
+from hf_zero.engine.planning import GroupPlan, Slot
+from hf_zero.engine.quantize import quantized_nbytes
+from hf_zero.engine.routes import ExactSlots, exact_ranges, gradient_tag, keeps_exact
 from test_quantize import ref_round_trip, same_bits
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -132,8 +138,57 @@ def ledger(rank, world_size):
     return out
 
 
+# A flat group as the planner lays one out: matrices with 1-D tensors and a sub-block matrix between them.
+# (name, shape); offsets follow. The exact slots by hand: b1 [80, 90), then ln and s [135, 148).
+SLOTS = (("w1", (8, 10)), ("b1", (10,)), ("w2", (5, 9)), ("ln", (7,)), ("s", (2, 3)), ("w3", (4, 6)))
+EXACT_BY_HAND = [(80, 90), (135, 148)]
+
+
+def group_plan(world_size):
+    plan = GroupPlan(index=3, unit=1, dtype=torch.float32, trainable=True)
+    for name, shape in SLOTS:
+        numel = torch.Size(shape).numel()
+        plan.slots.append(Slot(name, (name,), shape, torch.float32, plan.numel, numel))
+        plan.numel += numel
+    plan.padded_numel = -(-plan.numel // world_size) * world_size
+    plan.shard_numel = plan.padded_numel // world_size
+    return plan
+
+
+def slot_bucket(rank, world_size):
+    """Rank `rank`'s gradient bucket of group_plan: the matrices of order 1-10, the exact slots tiny multiples of
+    2**-20 (so their sum is exact in any order), zero padding."""
+    plan = group_plan(world_size)
+    g = torch.Generator().manual_seed(300 + rank)
+    x = torch.zeros(plan.padded_numel)
+    x[:plan.numel] = torch.randn(plan.numel, generator=g) * 5
+    for a, b in EXACT_BY_HAND:
+        x[a:b] = torch.randint(-50, 50, (b - a,), generator=g).float() * 2.0 ** -20
+    return x
+
+
+def exact_slots(rank, world_size):
+    """ExactSlots around a quantized Comm (int8 and int4, blocks of 16) and the plain Comm, both on one ledger."""
+    out = {}
+    plan = group_plan(world_size)
+    n = plan.shard_numel
+    for bits in BITS:
+        ledger = Ledger()
+        quantized = Comm(ledger=ledger, quantization=Quantization(gradients_bits=bits, block_size=BLOCK))
+        route = ExactSlots(quantized, Comm(ledger=ledger), [plan], BLOCK)
+        bucket = slot_bucket(rank, world_size)
+        owned = bucket[rank * n:(rank + 1) * n]
+        done = []
+        handle = route.reduce_scatter(owned, bucket, gradient_tag(plan), on_done=lambda: done.append(owned.clone()))
+        before_wait = len(done)
+        handle.wait()
+        out[bits] = {"out": owned.clone(), "on_done": done, "before_wait": before_wait, "wire": ledger.by_strategy(),
+                     "names": (quantized.strategy("cpu").name, Comm().strategy("cpu").name)}
+    return out
+
+
 SCENARIOS = [("collectives", quantized_collectives), ("switched_off", switched_off), ("overflow", overflow),
-             ("ledger", ledger)]
+             ("ledger", ledger), ("exact_slots", exact_slots)]
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +322,79 @@ def test_the_ledger_books_paper_elements_and_the_quantized_bytes(dist_results, w
                     assert mine["all_reduce"]["bytes"] == 8 * chunk  # the inner's, never quantized
                     assert mine["reduce_scatter"]["elements"] == n and mine["all_gather"]["calls"] == 1
                     assert torch.equal(got["ar"], torch.full((chunk,), float(w * (w + 1) // 2)))
+
+
+# ------------------------------------------------------------------------------------------------ qgZ's exact slots
+def test_qgz_keeps_1d_and_sub_block_parameters_exact():
+    """DeepSpeed's rule (1-D tensors reduced unquantized) plus tensors smaller than one block, which cannot have a
+    scale of their own; every matrix of a block or more is quantized, whatever its shape."""
+    for shape in ((64,), (1,), (), (2, 7), (15, 1), (3, 5)):
+        assert keeps_exact(shape, 16), shape
+    for shape in ((4, 4), (64, 192), (1, 4096), (2, 3, 4)):
+        assert not keeps_exact(shape, 16), shape
+    assert keeps_exact((16, 16), 257) and not keeps_exact((16, 16), 256)
+
+
+def test_exact_ranges_of_a_flat_group_merge_neighbours():
+    assert exact_ranges(group_plan(3), BLOCK) == EXACT_BY_HAND
+    assert exact_ranges(group_plan(3), 4) == [(80, 90), (135, 142)]  # s (6 elements) is a block or more of 4
+    empty = GroupPlan(index=0, unit=0, dtype=torch.float32, trainable=True)
+    empty.slots.append(Slot("w", ("w",), (4, 4), torch.float32, 0, 16))
+    assert exact_ranges(empty, BLOCK) == []
+
+
+def test_exact_slots_refuses_a_bucket_it_has_no_layout_for():
+    """A tag that names no flat group (the reducer's tags and gradient_tag parted ways) raises before any
+    collective instead of quantizing the bucket whole again."""
+    route = ExactSlots(None, None, [group_plan(2)], BLOCK)
+    with pytest.raises(ValueError, match="no flat group's layout"):
+        route.reduce_scatter(torch.zeros(86), torch.zeros(172), "grads of group 4 (unit 1)")
+
+
+def expected_exact_slots(world_size, bits, rank):
+    """Chunk `rank` of the sum: at the exact slots the plain fp32 sum of every rank's values; elsewhere the
+    reference's quantized chunks (exact slots zeroed before quantizing) summed in rank order in fp32."""
+    plan = group_plan(world_size)
+    n = plan.shard_numel
+    buckets = [slot_bucket(r, world_size) for r in range(world_size)]
+    zeroed = [b.clone() for b in buckets]
+    for z in zeroed:
+        for a, b in EXACT_BY_HAND:
+            z[a:b] = 0
+    parts = [ref_round_trip(z[rank * n:(rank + 1) * n], BLOCK, bits) for z in zeroed]
+    want = parts[0].clone()
+    for p in parts[1:]:
+        want += p
+    exact = sum(buckets)
+    for a, b in EXACT_BY_HAND:
+        lo, hi = max(a, rank * n), min(b, (rank + 1) * n)
+        if lo < hi:
+            want[lo - rank * n:hi - rank * n] = exact[lo:hi]
+    return want
+
+
+@pytest.mark.parametrize("world_size", [w for w in WORLD_SIZES if w > 1])
+def test_exact_slots_are_summed_exactly_and_the_rest_quantized(dist_results, world_size):
+    """Every rank's chunk equals the reference bit for bit; the tiny 1-D values, which the quantizer alone rounds
+    to zero against the matrices in their blocks, arrive as their exact sum; on_done runs at wait() with out
+    filled; the ledger books the quantized bucket under the quantized strategy and the exact values' all-reduce
+    (2 x 23 elements, fp32) under the plain one."""
+    plan = group_plan(world_size)
+    n = plan.shard_numel
+    exact_numel = sum(b - a for a, b in EXACT_BY_HAND)
+    lost = ref_round_trip(slot_bucket(0, world_size)[80:96], BLOCK, 4)[:10]  # b1 quantized with w2's head
+    assert torch.equal(lost, torch.zeros(10)), "the inputs do not show the rounding the route avoids"
+    for rank, res in enumerate(dist_results(world_size, "exact_slots")):
+        for bits in BITS:
+            got = res[bits]
+            want = expected_exact_slots(world_size, bits, rank)
+            assert same_bits(got["out"], want), (rank, bits, (got["out"] - want).abs().max())
+            assert got["before_wait"] == 0 and len(got["on_done"]) == 1 and same_bits(got["on_done"][0], want)
+            qname, plain = got["names"]
+            wire = got["wire"]
+            assert set(wire) == {qname, plain}, wire
+            assert wire[qname]["reduce_scatter"]["bytes"] == world_size * quantized_nbytes(n, BLOCK, bits), wire
+            assert wire[qname]["reduce_scatter"]["elements"] == plan.padded_numel
+            assert wire[plain]["all_reduce"]["elements"] == 2 * exact_numel, wire
+            assert wire[plain]["all_reduce"]["bytes"] == 8 * exact_numel, wire
+            assert wire[plain]["total"]["bytes"] == 8 * exact_numel, wire

@@ -17,12 +17,22 @@ made:
   hands them back to `all_gather`, which then runs inside the host, until the unit's backward is done or a step
   changes the shards.
 
+- qgZ's exact slots (`ExactSlots`, around any quantized reduce route): the parameters `keeps_exact` names (1-D ones:
+  LayerNorms, biases; and any smaller than one quantization block) are taken out of the bucket and all-reduced
+  unquantized over the partition group; the rest of the bucket, zeros in their place, goes through the quantized
+  route. Why: a block's scale is its largest element, and a flat group puts a LayerNorm's gradient (often 100x
+  smaller) between matrices, so int4 rounded it to zero and the LayerNorm never trained (issue #45). DeepSpeed's qgZ
+  also reduces 1-D tensors unquantized. Per-parameter blocks would cost a scale per small tensor and still round
+  its small elements away; 1-D tensors are 0.1% of GPT-2 small's elements, 0.004% of Llama-7B's: exact is cheap.
+
 The routes see the flat groups (engine/buffers.py `FlatGroup`: `lo`, `hi`, `shard`, `full`, `plan.padded_numel`;
-`quantized`, `packed` for quantized frozen weights) and the Comms by their attributes only.
+`quantized`, `packed` for quantized frozen weights; planning.py `GroupPlan.slots`) and the Comms by their attributes
+only.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+import math
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -31,6 +41,14 @@ from .collectives import Chain, Handle
 if TYPE_CHECKING:
     from .buffers import FlatGroup
     from .comm import Comm
+    from .planning import GroupPlan
+
+
+class ReduceRoute(Protocol):
+    """What gradients are reduce-scattered through: a Comm or one of the routes below."""
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "",
+                       on_done: Optional[Callable[[], None]] = None) -> Handle: ...
 
 
 class ReplicatedReduce:
@@ -68,6 +86,80 @@ class HostsReduce:
         host_sums = torch.empty(hosts * chunk, dtype=inp.dtype, device=inp.device)
         first = self.intra.reduce_scatter(host_sums, by_local, f"{tag} (inside the host)")
         return Chain(first, lambda: self.inter.reduce_scatter(out, host_sums, f"{tag} (across hosts)"), on_done)
+
+
+def keeps_exact(shape: Sequence[int], block_size: int) -> bool:
+    """qgZ's rule: whether a parameter of `shape` is reduced unquantized. 1-D (and 0-D) ones are, as in DeepSpeed
+    (LayerNorm weights, biases: their gradients are orders of magnitude below the matrices' beside them), and so is
+    any smaller than one block (it cannot have a block, so a scale, of its own)."""
+    return len(shape) <= 1 or math.prod(shape) < block_size
+
+
+def exact_ranges(plan: "GroupPlan", block_size: int) -> List[Tuple[int, int]]:
+    """[start, end) ranges of the flat group that `keeps_exact` keeps out of qgZ (adjacent slots merged)."""
+    ranges: List[Tuple[int, int]] = []
+    for slot in plan.slots:
+        if keeps_exact(slot.shape, block_size) and slot.numel:
+            if ranges and ranges[-1][1] == slot.offset:
+                ranges[-1] = (ranges[-1][0], slot.offset + slot.numel)
+            else:
+                ranges.append((slot.offset, slot.offset + slot.numel))
+    return ranges
+
+
+def gradient_tag(plan: "GroupPlan") -> str:
+    """The tag the reducer gives a flat group's gradient reduce-scatter (engine/reducer.py `_issue`): how a route
+    that keeps state per group (`ExactSlots`, qgZ's error feedback) tells the groups' buckets apart."""
+    return f"grads of group {plan.index} (unit {plan.unit})"
+
+
+class ExactSlots:
+    """qgZ with the slots `keeps_exact` names reduced unquantized: the bucket's values there are gathered into one
+    short vector and all-reduced over `exact` (the partition group's plain Comm, in the bucket's dtype), zeroed in
+    the bucket (int4 codes 0 on the wire; a zero changes no block's scale), and the bucket goes through `quantized`
+    (a quantized Comm, or HostsReduce). When both are done, this rank's exact values are written over its chunk
+    (an fp16 overflow there stays inf or nan for the loss scaler, as in an unquantized reduce-scatter).
+
+    An all-reduce, not a reduce-scatter: the exact elements are few and unevenly spread over the ranks' chunks, so
+    padding every chunk to the fullest would send more. The layout of each group is fixed when the route is built
+    (`groups`, the flat groups' plans), and each bucket is known by its reducer tag (`gradient_tag`)."""
+
+    def __init__(self, quantized: ReduceRoute, exact: "Comm", groups: Sequence["GroupPlan"], block_size: int) -> None:
+        self.quantized, self.exact = quantized, exact
+        self.ranges = {gradient_tag(p): exact_ranges(p, block_size) for p in groups if p.trainable}
+        self._index: Dict[Tuple[str, str, int], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _positions(self, tag: str, device: torch.device, numel: int
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(every exact position in the bucket; which of them fall in this rank's chunk; where in the chunk)."""
+        key = (tag, str(device), numel)
+        if key not in self._index:
+            idx = torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in self.ranges[tag]])
+            n = numel // self.exact.world_size
+            lo = self.exact.rank * n
+            mine = ((idx >= lo) & (idx < lo + n)).nonzero().view(-1)
+            self._index[key] = (idx.to(device), mine.to(device), (idx[mine] - lo).to(device))
+        return self._index[key]
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "",
+                       on_done: Optional[Callable[[], None]] = None) -> Handle:
+        if tag not in self.ranges:
+            raise ValueError(f"qgZ: no flat group's layout for the reduce-scatter tagged {tag!r} (known: "
+                             f"{sorted(self.ranges)[:3]}...): the reducer's tags and routes.gradient_tag differ")
+        if not self.ranges[tag]:
+            return self.quantized.reduce_scatter(out, inp, tag, on_done=on_done)
+        idx, mine, where = self._positions(tag, inp.device, inp.numel())
+        flat = inp.view(-1)
+        exact = flat.index_select(0, idx)
+        flat.index_fill_(0, idx, 0)
+        works = [self.exact.all_reduce(exact, f"{tag} (exact slots)"), self.quantized.reduce_scatter(out, inp, tag)]
+
+        def finish() -> None:
+            out.view(-1).index_copy_(0, where, exact.index_select(0, mine))
+            if on_done is not None:
+                on_done()
+
+        return Handle(works, finish)
 
 
 class PartitionGather:

@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import TYPE_CHECKING, List, Optional, Sequence, Union
 
 import torch.distributed as dist
 
 from ..config import ZeroConfig, ZeroConfigError
 from ..options import bits
 from .comm import Comm, Ledger, Quantization
-from .routes import HostGather, HostsReduce, PartitionGather, ReplicatedReduce
+from .routes import ExactSlots, HostGather, HostsReduce, PartitionGather, ReduceRoute, ReplicatedReduce
+
+if TYPE_CHECKING:
+    from .planning import GroupPlan
 
 logger = logging.getLogger("hf_zero")
 
@@ -63,12 +66,17 @@ class Topology:
         stores = {id(q.feedback): q.feedback for c in self.comms() if (q := c.quantization) and q.feedback}
         return sum(f.nbytes for f in stores.values())
 
-    def reduce_route(self) -> Union[Comm, ReplicatedReduce]:
+    def reduce_route(self, groups: Optional[Sequence["GroupPlan"]] = None) -> ReduceRoute:
         """What gradients are reduce-scattered through: the partition group (quantized under qgZ), or under HSDP
-        that group chained to the replicas' all-reduce (never quantized)."""
+        that group chained to the replicas' all-reduce (never quantized). Under qgZ, given the flat groups' plans
+        (`groups`), the parameters `routes.keeps_exact` names (1-D, smaller than a block) are reduced unquantized
+        beside the quantized bucket (`ExactSlots`); without them every element is quantized."""
+        quantized: Optional[ReduceRoute] = self.hosts_reduce if self.hosts_reduce is not None else self.gradients
+        if quantized is not None and groups is not None:
+            quantized = ExactSlots(quantized, self.partition, groups, self.gradients.quantization.block_size)
         if self.hosts_reduce is not None:
-            return self.hosts_reduce
-        partition = self.gradients or self.partition
+            return quantized
+        partition = quantized or self.partition
         return partition if self.replicas is None else ReplicatedReduce(partition, self.replicas)
 
     def gather_route(self, reshard_after_forward: bool = True) -> PartitionGather:
