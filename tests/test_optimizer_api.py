@@ -4,8 +4,8 @@ scheduler, Accelerate or the Trainer calls on an optimizer behaves as on stock A
 Each check runs the same calls on hf_zero's optimizer and on a stock AdamW over an identical model and compares.
 World size 1 in this process where ranks do not matter; hooks firing once per step on every rank and the training
 equal to stock AdamW at world sizes 2 and 3 through tests/_dist.py; `optimizer.optimizer` of a real
-`HfZeroAccelerator.prepare` in a subprocess. Issue 34, item 4: it is built by torch's own `__init__` and writes
-none of torch's private attributes; LR schedulers (torch's and Transformers'), zero_grad, add_param_group and
+`HfZeroAccelerator.prepare` in a subprocess. Issue 34, item 4 and issue 45, item 4: it is the user's optimizer
+itself (an instance of its class and of ZeroOptimizer) and writes none of torch's private attributes; LR schedulers (torch's and Transformers'), zero_grad, add_param_group and
 load_state_dict against stock AdamW in plain single-process training.
 """
 from __future__ import annotations
@@ -61,9 +61,8 @@ def _both_train(stage: int, setup, steps: int = STEPS):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_is_a_torch_optimizer_with_torch_attributes(stage):
     engine, opt, _, stock = _pair(stage)
-    assert isinstance(opt, torch.optim.Optimizer)
+    assert isinstance(opt, torch.optim.Optimizer) and isinstance(opt, torch.optim.AdamW)  # the user's class
     assert opt.defaults == stock.defaults
-    assert opt.param_groups is opt.inner.param_groups and opt.state is opt.inner.state
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == \
         [{k: v for k, v in g.items() if k != "params"} for g in stock.param_groups]
     # state in torch's shape: keyed by the segment tensors the user reads
@@ -126,9 +125,9 @@ def test_global_step_hooks_see_the_engine_optimizer():
     finally:
         for h in handles:
             h.remove()
-    # stock: pre then post, once each per step; ZeRO's step is one optimizer step (its inner optimizer's step is
-    # its own business, as AcceleratedOptimizer's inner step is)
-    ours = [(k, o is opt) for k, o in seen if o is opt or o is opt.inner]
+    # stock: pre then post, once each per step; ZeRO's step is one optimizer step (the user's class's update
+    # inside it runs without torch's hook wrapper)
+    ours = [(k, o is opt) for k, o in seen if o is not stock_opt]
     assert ours == [("pre", True), ("post", True)], ours
     assert [(k, o is stock_opt) for k, o in seen if o is stock_opt] == [("pre", True), ("post", True)]
 
@@ -142,6 +141,7 @@ def test_hooks_registered_on_the_users_optimizer_before_sharding_fire():
     fired = []
     user_opt.register_step_post_hook(lambda o, a, k: fired.append(o))
     engine = shard_model(model, user_opt, ZeroConfig(stage=2))
+    assert engine.optimizer is user_opt  # one object: the user's optimizer, sharded in place
     _train_step(engine.model, engine.optimizer, models.make_batches(1, 1)[0][0], engine.backward)
     assert fired == [engine.optimizer]
 
@@ -177,7 +177,6 @@ def test_state_dict_hooks_like_stock(stage):
     sd = opt.state_dict()
     assert sd["extra"] == 1
     opt.load_state_dict(sd)
-    assert opt.state is opt.inner.state and opt.param_groups is opt.inner.param_groups
     for s, e in zip(opt.segments, exp):
         torch.testing.assert_close(opt.state[s.tensor]["exp_avg"], e, rtol=0, atol=0)
     stock = ref.pop("opt")
@@ -387,8 +386,8 @@ def test_trainer_optimizer_hooks_and_callbacks_match_stock(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ torch's own code (issue 34, 4)
-# ZeroOptimizer runs torch.optim.Optimizer.__init__ over its segments: hooks, LR schedulers, zero_grad and the
-# state dicts are torch's code. Each check runs the same calls on a stock AdamW trained in plain PyTorch.
+# ZeroOptimizer is the user's optimizer, sharded in place: hooks, LR schedulers, zero_grad and the state dicts are
+# torch's code. Each check runs the same calls on a stock AdamW trained in plain PyTorch.
 
 def _private(obj):
     return {k for k in vars(obj) if k.startswith("_")}
@@ -402,7 +401,7 @@ def _params_equal(engine, stock_model):
 
 
 def test_sets_no_private_attribute_torch_does_not():
-    """After the same calls (torch's __init__, an LR scheduler, a step, zero_grad, state_dict / load_state_dict) the
+    """After the same calls (sharding, an LR scheduler, a step, zero_grad, state_dict / load_state_dict) the
     instance holds exactly the private attributes a stock AdamW holds, and its class's step exactly what torch's
     wrapper puts on AdamW's: hf_zero writes none of torch's private names. Its own names are public."""
     from hf_zero import ZeroOptimizer
@@ -422,7 +421,7 @@ def test_sets_no_private_attribute_torch_does_not():
     assert "_opt_called" in _private(opt)  # written by torch's scheduler wrapper, as on stock
     assert set(vars(opt)) - set(vars(stock)) == {
         "groups", "reducer", "comm", "config", "device", "world", "scaler", "grads_prepared", "grads_finite",
-        "user_optimizer_class", "segments", "kernel", "inner", "param_group_of", "has_grad"}
+        "user_optimizer_class", "segments", "kernel", "param_group_of", "has_grad"}
     assert set(vars(ZeroOptimizer.step)) == set(vars(type(stock).step)) == {"__wrapped__", "hooked"}
     assert not [k for k in vars(ZeroOptimizer) if k.startswith("_") and not k.startswith("__")
                 and not callable(vars(ZeroOptimizer)[k])]  # no class-level private data either
@@ -590,7 +589,7 @@ def test_add_param_group_raises_and_changes_nothing():
     for group in ({"params": [extra]}, {"params": [extra], "lr": 0.0}, opt.param_groups[0]):
         with pytest.raises(NotImplementedError, match=r"cannot be added afterwards.*Put every group"):
             opt.add_param_group(group)
-    assert [dict(g) for g in opt.param_groups] == groups and opt.param_groups is opt.inner.param_groups
+    assert [dict(g) for g in opt.param_groups] == groups
 
 
 def test_load_state_dict_is_torchs_and_the_step_uses_what_it_loaded():
@@ -607,7 +606,6 @@ def test_load_state_dict_is_torchs_and_the_step_uses_what_it_loaded():
         for s in sd["state"].values():
             s["step"] = float(s["step"])
         o.load_state_dict(sd)
-    assert opt.param_groups is opt.inner.param_groups and opt.state is opt.inner.state
     assert opt.param_groups[1]["lr"] == stock.param_groups[1]["lr"] == 0.07
     assert all(torch.is_tensor(s["step"]) for s in opt.state.values())
     assert [type(s["step"]) for s in opt.state.values()][:1] == [type(s["step"]) for s in stock.state.values()][:1]

@@ -22,7 +22,7 @@ from .buffers import BufferPool, FlatGroup
 from .comm import Comm
 from .gatherer import GatheredBytes, Gatherer, Unit
 from .loading import ShardLoader, Weights, resolve_weights
-from .optimizer import ZeroOptimizer, check_elementwise
+from .optimizer import ZeroOptimizer, check_elementwise, shard_optimizer
 from .placement import compute_device
 from .planning import ShardPlan, find_unit_modules, plan_model
 from .partitioned import set_placeholders
@@ -75,7 +75,7 @@ class ZeroEngine:
             self.groups = self._build_groups()
         self.reducer = Reducer(
             self.groups, config.stage, self.partition_comm, self.pool, max_inflight_bytes=4 * config.reduce_bucket_size,
-            route=self.topology.reduce_route(), world_size=self.comm.world_size,
+            route=self.topology.reduce_route([g.plan for g in self.groups]), world_size=self.comm.world_size,
             reduce_dtype=config.reduce_torch_dtype, on_launch=self._on_group_launched, on_backward_end=self._on_backward_end,
         )
         self.gathered = GatheredBytes()
@@ -96,8 +96,9 @@ class ZeroEngine:
         # set by the checkpoint layer at the first background save: wait() and close() on it (engine.py imports
         # nothing of that layer)
         self.background_save: Optional[Any] = None
-        self.optimizer = ZeroOptimizer(optimizer, self.groups, self.reducer, self.partition_comm, config, self.device,
-                                       world=self.comm)
+        # the user's optimizer itself, turned into the ZeRO optimizer over this rank's shard (optimizer.py)
+        self.optimizer: ZeroOptimizer = shard_optimizer(optimizer, self.groups, self.reducer, self.partition_comm,
+                                                        config, self.device, world=self.comm)
         self.comm.reset_stats()  # the start-up broadcast is not training traffic
         # At exit, wait for this engine's collectives in flight, then close and free the process groups before
         # the interpreter finalizes (gloo's threads abort it otherwise): engine/exit.py.
@@ -413,8 +414,9 @@ class ZeroEngine:
         other ranks."""
         rank0 = self.comm.rank == 0
         values: Dict[str, torch.Tensor] = {}
+        reuse: Dict[torch.dtype, torch.Tensor] = {}  # one gather buffer: one group's bytes at a time
         for g in self.groups:
-            full = full_group_values(self, g.plan.index, purpose)
+            full = full_group_values(self, g.plan.index, purpose, reuse=reuse)
             if rank0:
                 for slot in g.plan.slots:
                     view = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -443,7 +445,8 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, config: Opti
     """Shard `model` (in place) and `optimizer` with ZeRO over `process_group` (default: the world).
 
     The model keeps its class and module tree (hooks are added; parameters become views of flat buffers, or
-    empty between uses at stage 3). Use the returned engine's `optimizer` instead of the one passed in.
+    empty between uses at stage 3). `optimizer` is sharded in place too: `engine.optimizer` is the same object, now
+    an instance of `ZeroOptimizer` and of its own class, stepping this rank's shard.
 
     `weights`: a safetensors file or a folder save_pretrained wrote (single file or sharded with an index), for a
     model whose parameters are on the meta device (`hf_zero.from_pretrained`, or built inside

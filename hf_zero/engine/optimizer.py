@@ -12,17 +12,20 @@ The shard is exposed to the inner optimizer as one 1-D view per (parameter ∩ o
 user's parameter groups (weight decay / no decay, per-group learning rates) and LR schedulers keep working.
 Only element-wise optimizers give the same update on a segment as on the whole tensor.
 
-`ZeroOptimizer` is a `torch.optim.Optimizer` built by torch's own `__init__` over those segments, so torch's code
-does the rest: its `__init__` wraps `step` (once per class) with the step pre/post hooks and the profiler range,
-LR schedulers wrap and track it as on any optimizer, and `zero_grad`, `state_dict`, `load_state_dict` and the
-hook registries are torch's. Its `param_groups` and `state` are the only ones: the inner optimizer (the user's
-class over the same group dicts) is an algorithm they are lent to before each update, called without torch's hook
-wrapper so that a step is one optimizer step for global hooks.
+The optimizer is one object: the user's own. `shard_optimizer` turns it, in place, into an instance of
+`Zero<Class>`, a subclass of both `ZeroOptimizer` and the user's class (as stage 3 turns a parameter into a
+`PartitionedParameter`), and points its parameter groups at the segments, as Accelerate's FSDP2 preparation points
+an optimizer's groups at the sharded parameters. So `isinstance(opt, torch.optim.AdamW)` holds, the hooks and LR
+schedulers registered on it before sharding stay its own, and `zero_grad`, `state_dict`, `load_state_dict` and the
+hook registries are torch's. The class's `step` is the ZeRO step wrapped once by torch's own `profile_hook_step`
+(step pre/post hooks, the profiler range); the user's class's update runs inside it without that wrapper, so a
+step is one optimizer step for the hooks.
 """
 from __future__ import annotations
 
 import inspect
 import logging
+from collections import defaultdict
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
@@ -82,36 +85,21 @@ def _with_kernel(group: Dict[str, Any], choice: Dict[str, Any]) -> Dict[str, Any
     return {**group, **choice}
 
 
-# The function torch.optim.Optimizer.__init__ puts around each optimizer class's `step` (profile_hook_step, a public
-# static method, via functools.wraps): the code every such wrapper runs, to recognise it in `_unhooked`.
-_HOOK_WRAPPER_CODE = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
-
-
-def _unhooked(step: Callable) -> Callable:
-    """A class's `step` without torch's hook wrapper: `inspect.unwrap` through functools' `__wrapped__` of that
-    wrapper only (the optimizer's own decorators stay). If torch ever wraps differently, the step is returned
-    wrapped: global step hooks would then also see the inner optimizer, nothing else changes."""
-    return inspect.unwrap(step, stop=lambda f: getattr(f, "__code__", None) is not _HOOK_WRAPPER_CODE)
+def _update_of(cls: type) -> Callable:
+    """The user's class's `step` (its update), without the hook wrapper torch's `Optimizer.__init__` put around it:
+    that wrapper marks itself `hooked` and keeps the function it wraps as functools' `__wrapped__`
+    (`_patch_step_function`; docs/architecture.md's private-API table). The class's own decorators stay."""
+    step = cls.step
+    return step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
 
 
 class _KeepLR(torch.optim.lr_scheduler.LRScheduler):
     """An LR scheduler that sets each group's lr to what it is. Building one on an optimizer is how torch's own
     code installs its step-order tracking there (the wrapper that lets schedulers tell optimizer.step() was called),
-    for a scheduler that was built on the user's optimizer and is then pointed at this one (HfZeroAccelerator's
-    prepare does that)."""
+    for an optimizer whose scheduler, built before sharding, wrapped the class's step of that time."""
 
     def get_lr(self) -> List[Any]:
         return [group["lr"] for group in self.optimizer.param_groups]
-
-
-# torch.optim.Optimizer's hook registries by hook kind (read on the user's optimizer, never written; see
-# `_forward_user_hooks`)
-_USER_HOOKS = {
-    "step_pre": "_optimizer_step_pre_hooks", "step_post": "_optimizer_step_post_hooks",
-    "state_dict_pre": "_optimizer_state_dict_pre_hooks", "state_dict_post": "_optimizer_state_dict_post_hooks",
-    "load_state_dict_pre": "_optimizer_load_state_dict_pre_hooks",
-    "load_state_dict_post": "_optimizer_load_state_dict_post_hooks",
-}
 
 
 class Segment(NamedTuple):
@@ -124,151 +112,53 @@ class Segment(NamedTuple):
     slot: Slot
 
 
+_NOT_COPYABLE = ("a ZeroOptimizer is a view of a live engine's shards and cannot be pickled or deep-copied: save and "
+                 "load it with hf_zero.checkpoint (save_checkpoint / load_checkpoint) or accelerator.save_state / "
+                 "load_state")
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """torch.optim.Optimizer API over the rank's shard: `step`, `zero_grad`, `param_groups`, `state_dict`.
 
-    `param_groups` are the user's groups (same hyper-parameters, same order) whose params are the rank's
-    segments; LR schedulers that edit `param_groups` work unchanged. `state_dict()` is this rank's shard only.
-    A `torch.optim.Optimizer` in full, built by its `__init__`: step pre/post hooks (its own and torch's global
-    ones, once per step), state-dict and load-state-dict hooks, `defaults` (the user's class's), `state` keyed by
-    the segment tensors. Hooks registered on the user's optimizer before sharding fire here too.
-    `add_param_group` after construction raises: the parameters are sharded once, with the groups given then.
+    Never built directly: `shard_optimizer` (called by `shard_model`) turns the user's optimizer into an instance
+    of `Zero<Class>(ZeroOptimizer, Class)`. `param_groups` are the user's groups (the same dicts, hyper-parameters
+    and order) whose params are the rank's segments; LR schedulers that edit them work unchanged. `state_dict()` is
+    this rank's shard only. `add_param_group` raises: the parameters are sharded once, with the groups given then.
     """
 
-    def __init__(self, user_optimizer: torch.optim.Optimizer, groups: List[FlatGroup], reducer: Reducer, comm: Comm,
-                 config: ZeroConfig, device: torch.device, world: Optional[Comm] = None) -> None:
-        # comm: the partition group (the shards' owners: norm and post-step all-gather); world: every rank (the
-        # same group unless HSDP replicates the partition)
-        self.groups, self.reducer, self.comm, self.config, self.device = groups, reducer, comm, config, device
-        self.world = world if world is not None else comm
-        self.scaler: Optional[LossScaler] = (
-            LossScaler(config.initial_loss_scale, config.loss_scale_factor, config.loss_scale_growth_interval,
-                       config.min_loss_scale)
-            if config.mixed_precision == "fp16" else None
-        )
-        self.grads_prepared = False  # prepare_grads ran since the last backward
-        self.grads_finite = True  # what it found (fp16: False skips the step)
-        self.has_grad: List[bool] = []  # what it found: which parameters got a gradient on some rank
-        self.user_optimizer_class = type(user_optimizer)
-        rank = comm.rank
-        # which user group each parameter belongs to
-        group_of: Dict[int, int] = {}
-        for gi, group in enumerate(user_optimizer.param_groups):
-            for p in group["params"]:
-                group_of[id(p)] = gi
-        segments: List[List[torch.Tensor]] = [[] for _ in user_optimizer.param_groups]
-        self.segments: List[Segment] = []
-        # every optimised parameter's user group by name, this rank's or not (a checkpoint's manifest records it)
-        self.param_group_of: Dict[str, int] = {}
-        for fg in groups:
-            if not fg.plan.trainable:
-                continue
-            by_name = {s.name: p for s, p in zip(fg.plan.slots, fg.params)}
-            for slot in fg.plan.slots:
-                if id(by_name[slot.name]) in group_of:
-                    self.param_group_of[slot.name] = group_of[id(by_name[slot.name])]
-            for slot, a, b in iter_owned_segments(fg.plan, rank):
-                gi = group_of.get(id(by_name[slot.name]))
-                if gi is None:
-                    continue  # trainable but not optimised: its gradient is reduced and ignored, as in DDP
-                seg = fg.master[a:b]
-                segments[gi].append(seg)
-                self.segments.append(Segment(seg, fg, a, b, slot))
-        inner_groups = []
-        for gi, group in enumerate(user_optimizer.param_groups):
-            hp = {k: v for k, v in group.items() if k != "params"}
-            inner_groups.append({**hp, "params": segments[gi]})
-        cls = type(user_optimizer)
-        kwargs = _constructor_kwargs(cls, user_optimizer.defaults)
-        self.kernel = "as given"
-        if config.offload_optimizer == "cpu":
-            kwargs, self.kernel = _host_kernel(cls, kwargs)
-        choice = {k: kwargs[k] for k in ("fused", "foreach") if self.kernel != "as given" and k in kwargs}
-        try:  # the groups carry their own fused/foreach keys (torch reads those at step time)
-            self.inner = cls([_with_kernel(g, choice) for g in inner_groups], **kwargs)
-        except (RuntimeError, ValueError) as exc:  # e.g. a fused kernel refusing a dtype: the plain loop still works
-            if self.kernel != "fused":
-                raise
-            choice = {"fused": None, "foreach": True}
-            self.inner = cls([_with_kernel(g, choice) for g in inner_groups], **{**kwargs, **choice})
-            self.kernel = f"foreach (fused refused: {exc})"
-        # torch's own __init__ over the inner optimizer's group dicts (the same dicts, so an lr set by a scheduler
-        # is the one the inner optimizer reads) and defaults: it makes the hook registries and the state, and wraps
-        # ZeroOptimizer.step with the hooks; its add_param_group accepts exactly these groups (see below).
-        super().__init__(self.inner.param_groups, self.inner.defaults)
-        self._lend_to_inner()
-        # torch's load_state_dict gives this optimizer new `state` / `param_groups`: lend them before any other
-        # post-hook looks (registered first)
-        self.register_load_state_dict_post_hook(lambda opt: opt._lend_to_inner())
-        self._forward_user_hooks(user_optimizer)
-        if any("initial_lr" in g for g in user_optimizer.param_groups):  # an LR scheduler was built on it
-            _KeepLR(self)
+    # set by shard_optimizer (hf_zero's own, public names)
+    groups: List[FlatGroup]
+    reducer: Reducer
+    comm: Comm  # the partition group: the shards' owners (norm, post-step all-gather)
+    world: Comm  # every rank (the same group unless HSDP replicates the partition)
+    config: ZeroConfig
+    device: torch.device
+    scaler: Optional[LossScaler]
+    grads_prepared: bool  # prepare_grads ran since the last backward
+    grads_finite: bool  # what it found (fp16: False skips the step)
+    has_grad: List[bool]  # what it found: which parameters got a gradient on some rank
+    user_optimizer_class: type
+    segments: List["Segment"]
+    param_group_of: Dict[str, int]  # every optimised parameter's user group by name, this rank's or not
+    kernel: str  # the update's kernel under offload ("fused", "foreach" or "as given")
 
-    def _lend_to_inner(self) -> None:
-        """The inner optimizer runs over this optimizer's `param_groups` and `state` (the same objects): through its
-        own `__setstate__`, the pickle protocol torch's load_state_dict also ends in, which lets the class normalise
-        them (Adam fills group keys an older state dict lacks, makes `step` a tensor)."""
-        self.inner.__setstate__({"state": self.state, "param_groups": self.param_groups})
-
-    def _forward_user_hooks(self, user_optimizer: torch.optim.Optimizer) -> None:
-        """Hooks registered on the user's optimizer (before or after sharding) fire on this one, with this one as
-        their optimizer, as they would on the optimizer stock Accelerate steps: one hook per kind here runs theirs
-        in order. Their registries are torch's private dicts, read (never written): torch has no public way to
-        list an optimizer's hooks."""
-        theirs = {kind: getattr(user_optimizer, name, None) for kind, name in _USER_HOOKS.items()}
-        if not all(isinstance(d, dict) for d in theirs.values()):
-            return  # an optimizer that did not run torch's __init__: it has no hooks
-
-        def step_pre(opt, args, kwargs):
-            changed = False
-            for hook in list(theirs["step_pre"].values()):
-                result = hook(opt, args, kwargs)
-                if result is not None:
-                    if not (isinstance(result, tuple) and len(result) == 2):
-                        raise RuntimeError(f"{hook} must return None or a tuple of (new_args, new_kwargs), "
-                                           f"but got {result}.")
-                    (args, kwargs), changed = result, True
-            return (args, kwargs) if changed else None
-
-        def step_post(opt, args, kwargs):
-            for hook in list(theirs["step_post"].values()):
-                hook(opt, args, kwargs)
-
-        def state_dict_pre(opt):
-            for hook in list(theirs["state_dict_pre"].values()):
-                hook(opt)
-
-        def chain(kind):
-            def run(opt, state_dict):
-                for hook in list(theirs[kind].values()):
-                    result = hook(opt, state_dict)
-                    state_dict = state_dict if result is None else result
-                return state_dict
-            return run
-
-        def load_state_dict_post(opt):
-            for hook in list(theirs["load_state_dict_post"].values()):
-                hook(opt)
-
-        self.register_step_pre_hook(step_pre)
-        self.register_step_post_hook(step_post)
-        self.register_state_dict_pre_hook(state_dict_pre)
-        self.register_state_dict_post_hook(chain("state_dict_post"))
-        self.register_load_state_dict_pre_hook(chain("load_state_dict_pre"))
-        self.register_load_state_dict_post_hook(load_state_dict_post)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a ZeroOptimizer is made from your optimizer by shard_model() / accelerator.prepare(): build "
+                        "your torch.optim optimizer over the model's parameters and pass that")
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         """torch's load_state_dict sets the loaded state through here; an unpickled or copied object (no engine
         behind it) is refused."""
-        if "inner" not in self.__dict__:
-            raise TypeError("a ZeroOptimizer is a view of a live engine's shards and cannot be unpickled or "
-                            "deep-copied: save and load it with hf_zero.checkpoint (save_checkpoint / load_checkpoint) "
-                            "or accelerator.save_state / load_state")
+        if "reducer" not in self.__dict__:
+            raise TypeError(_NOT_COPYABLE)
         super().__setstate__(state)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(_NOT_COPYABLE)  # pickle and deepcopy: a copy would be an optimizer over no engine
+
     def __repr__(self) -> str:
-        inner = torch.optim.Optimizer.__repr__(self)  # torch's: the class name, then each parameter group
-        return f"{inner.split(' (', 1)[0]} (stage {self.config.stage} over {type(self.inner).__name__}" \
+        inner = super().__repr__()  # torch's: the class name, then each parameter group
+        return f"ZeroOptimizer (stage {self.config.stage} over {self.user_optimizer_class.__name__}" \
                f"{inner[inner.index(' (') + 2:]}"
 
     def _attach_grads(self) -> None:
@@ -399,7 +289,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Reduce (if not yet), unscale, skip on fp16 overflow, update the shard, restore full parameters."""
-        # torch.optim.Optimizer.__init__ wrapped this method: the step pre/post hooks run around it
+        # wrapped below by torch's profile_hook_step: the step pre/post hooks run around it
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -427,12 +317,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def _inner_step(self) -> None:
-        """The user's algorithm over this optimizer's groups and state, without torch's hook wrapper around the inner
-        optimizer's step: a global step hook sees one optimizer step per training step (this one), as under stock
-        Accelerate."""
-        if self.inner.param_groups is not self.param_groups or self.inner.state is not self.state:
-            self._lend_to_inner()  # assigned since (e.g. AcceleratedOptimizer's param_groups setter)
-        _unhooked(type(self.inner).step)(self.inner)
+        """The user's class's update over this optimizer's groups and state, without the hook wrapper torch put
+        around it: a step hook sees one optimizer step per training step (this one), as under stock Accelerate."""
+        _update_of(self.user_optimizer_class)(self)
 
     def _gather_updated_params(self) -> None:
         """The shard was updated: refresh the compute copy and (stages 1/2) all-gather the full parameters."""
@@ -462,13 +349,101 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # world-size-independent checkpoint use the engine's checkpoint functions.
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        """torch's, for the groups sharded at construction (its __init__ adds them through here); afterwards an
-        error: a group's parameters would have to be sharded, and that happens once."""
-        if any(param_group is g for g in self.inner.param_groups) and \
-                not any(param_group is g for g in self.param_groups):
-            return super().add_param_group(param_group)
+        """An error: a group's parameters would have to be sharded, and that happens once."""
         raise NotImplementedError(
             "hf_zero shards the parameters of the optimizer given to shard_model() / accelerator.prepare(): a "
             "parameter group cannot be added afterwards. Put every group in the optimizer before that, e.g. "
             "torch.optim.AdamW([{'params': ...}, {'params': ..., 'lr': ...}]) (a group with lr=0 can be opened later "
             "by an LR scheduler or by setting optimizer.param_groups[i]['lr'])")
+
+
+# the ZeRO step, wrapped once as torch wraps each optimizer class's step (Optimizer.profile_hook_step is public):
+# Zero<Class> inherits it, and torch's _patch_step_function sees `hooked` and leaves it as it is
+ZeroOptimizer.step = torch.optim.Optimizer.profile_hook_step(ZeroOptimizer.step)  # type: ignore[method-assign]
+ZeroOptimizer.step.hooked = True  # type: ignore[attr-defined]
+
+_ZERO_CLASSES: Dict[type, type] = {}
+
+
+def _zero_class(cls: type) -> type:
+    """`Zero<Class>(ZeroOptimizer, Class)`, made once per user class."""
+    if cls not in _ZERO_CLASSES:
+        _ZERO_CLASSES[cls] = type(f"Zero{cls.__name__}", (ZeroOptimizer, cls),
+                                  {"__module__": __name__, "__doc__": ZeroOptimizer.__doc__})
+    return _ZERO_CLASSES[cls]
+
+
+def _segments_of(user_optimizer: torch.optim.Optimizer, groups: List[FlatGroup], rank: int
+                 ) -> "tuple[List[List[torch.Tensor]], List[Segment], Dict[str, int]]":
+    """The rank's segments per user group, every segment, and every optimised parameter's user group by name."""
+    group_of: Dict[int, int] = {id(p): gi for gi, g in enumerate(user_optimizer.param_groups) for p in g["params"]}
+    per_group: List[List[torch.Tensor]] = [[] for _ in user_optimizer.param_groups]
+    segments: List[Segment] = []
+    param_group_of: Dict[str, int] = {}
+    for fg in groups:
+        if not fg.plan.trainable:
+            continue
+        by_name = {s.name: p for s, p in zip(fg.plan.slots, fg.params)}
+        for slot in fg.plan.slots:
+            if id(by_name[slot.name]) in group_of:
+                param_group_of[slot.name] = group_of[id(by_name[slot.name])]
+        for slot, a, b in iter_owned_segments(fg.plan, rank):
+            gi = group_of.get(id(by_name[slot.name]))
+            if gi is None:
+                continue  # trainable but not optimised: its gradient is reduced and ignored, as in DDP
+            seg = fg.master[a:b]
+            per_group[gi].append(seg)
+            segments.append(Segment(seg, fg, a, b, slot))
+    return per_group, segments, param_group_of
+
+
+def _kernel_choice(cls: type, user_optimizer: torch.optim.Optimizer, per_group: List[List[torch.Tensor]],
+                   config: ZeroConfig) -> "tuple[Dict[str, Any], str]":
+    """ZeRO-Offload's kernel for the host step (`_host_kernel`), tried on a throwaway instance of the user's class
+    over the segments: a fused kernel that refuses them (e.g. a dtype) falls back to foreach."""
+    if config.offload_optimizer != "cpu":
+        return {}, "as given"
+    kwargs, kernel = _host_kernel(cls, _constructor_kwargs(cls, user_optimizer.defaults))
+    choice = {k: kwargs[k] for k in ("fused", "foreach") if kernel != "as given" and k in kwargs}
+    if kernel != "fused":
+        return choice, kernel
+    try:
+        cls([_with_kernel({**{k: v for k, v in g.items() if k != "params"}, "params": segs}, choice)
+             for g, segs in zip(user_optimizer.param_groups, per_group)], **{**kwargs, **choice})
+    except (RuntimeError, ValueError) as exc:
+        return {"fused": None, "foreach": True}, f"foreach (fused refused: {exc})"
+    return choice, kernel
+
+
+def shard_optimizer(user_optimizer: torch.optim.Optimizer, groups: List[FlatGroup], reducer: Reducer, comm: Comm,
+                    config: ZeroConfig, device: torch.device, world: Optional[Comm] = None) -> ZeroOptimizer:
+    """Turn `user_optimizer` (in place: the same object, returned) into the ZeRO optimizer over this rank's shard.
+
+    `comm`: the partition group (the shards' owners: norm and post-step all-gather); `world`: every rank (the same
+    group unless HSDP replicates the partition). Its parameter groups keep their dicts and hyper-parameters and
+    get this rank's segments as params; its state starts empty (the shards' values are the model's)."""
+    cls = type(user_optimizer)
+    if isinstance(user_optimizer, ZeroOptimizer):
+        raise ValueError("this optimizer is already sharded by hf_zero (one optimizer per engine)")
+    per_group, segments, param_group_of = _segments_of(user_optimizer, groups, comm.rank)
+    choice, kernel = _kernel_choice(cls, user_optimizer, per_group, config)  # before anything changes
+    opt = user_optimizer
+    opt.__class__ = _zero_class(cls)
+    opt.groups, opt.reducer, opt.comm, opt.config, opt.device = groups, reducer, comm, config, device
+    opt.world = world if world is not None else comm
+    opt.scaler = (LossScaler(config.initial_loss_scale, config.loss_scale_factor, config.loss_scale_growth_interval,
+                             config.min_loss_scale) if config.mixed_precision == "fp16" else None)
+    opt.grads_prepared, opt.grads_finite, opt.has_grad = False, True, []
+    opt.user_optimizer_class, opt.segments, opt.param_group_of, opt.kernel = cls, segments, param_group_of, kernel
+    for group, segs in zip(opt.param_groups, per_group):
+        group["params"] = segs
+        group.update(_with_kernel(group, choice))  # the groups carry fused/foreach keys (torch reads them per step)
+    opt.state = defaultdict(dict)
+    # the class's own __setstate__ normalises the groups for its update (Adam fills keys, makes `step` a tensor)
+    opt.__setstate__({"state": opt.state, "param_groups": opt.param_groups})
+    if "step" in opt.__dict__:
+        # an LR scheduler built before sharding wrapped the step of that time on the instance (torch's
+        # step-order tracking): drop that wrapper and install it again around this class's step
+        del opt.__dict__["step"]
+        _KeepLR(opt)
+    return opt
