@@ -207,7 +207,8 @@ OPTIONS: Tuple[Option, ...] = (
     Option("quantized_gradients", "none", _QUANTIZED,
            'ZeRO++ qgZ (stages 2-3): each gradient bucket\'s chunks are block-quantized per destination rank, '
            'exchanged with all_to_all and dequantized and summed in fp32 by their owner, instead of a reduce-scatter '
-           'in the reduce dtype ("int8" or "int4"; the paper uses int4). "none": off.',
+           'in the reduce dtype ("int8" or "int4"; the paper uses int4). 1-D parameters and those smaller than a '
+           'block (norms, biases) are reduced unquantized, as in DeepSpeed. "none": off.',
            requires=(Requirement("stage", (2, 3), "{name}={value!r} quantizes the per-micro-batch gradient "
                                  "reduce-scatter of stages 2-3; got stage={other_value}. Use stage 2 or 3, or "
                                  "quantized_gradients='none'."),)),
