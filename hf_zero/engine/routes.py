@@ -134,11 +134,14 @@ class ExactSlots:
         """(every exact position in the bucket; which of them fall in this rank's chunk; where in the chunk)."""
         key = (tag, str(device), numel)
         if key not in self._index:
-            idx = torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in self.ranges[tag]])
+            # in Python, once per group: no data-dependent tensor op (nonzero), which fake tensors (the dry run)
+            # cannot run; the exact slots are a layer's norms and biases, a few thousand positions
+            positions = [i for a, b in self.ranges[tag] for i in range(a, b)]
             n = numel // self.exact.world_size
             lo = self.exact.rank * n
-            mine = ((idx >= lo) & (idx < lo + n)).nonzero().view(-1)
-            self._index[key] = (idx.to(device), mine.to(device), (idx[mine] - lo).to(device))
+            mine = [k for k, i in enumerate(positions) if lo <= i < lo + n]
+            self._index[key] = tuple(torch.tensor(v, dtype=torch.long, device=device)
+                                     for v in (positions, mine, [positions[k] - lo for k in mine]))
         return self._index[key]
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "",
