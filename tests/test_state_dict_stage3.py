@@ -76,6 +76,12 @@ def sc_collective(rank: int, world_size: int, kind: str) -> Dict[str, Any]:
     with engine.gathered_parameters():
         out["gathered"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out["buffers"] = {n for n, _ in model.named_buffers()}
+    # memory: the tensor bytes each call allocates (tests/test_export.py's counter), state_dict() beside
+    # full_state_dict() (what accelerator.get_state_dict calls)
+    from test_export import measured
+
+    _, out["state_dict_peak"], _ = measured(lambda: model.state_dict())
+    _, out["full_state_dict_peak"], _ = measured(engine.full_state_dict)
     engine.close()
     return out
 
@@ -161,6 +167,26 @@ def test_save_pretrained_on_every_rank_writes_what_plain_save_pretrained_writes(
     assert sorted(saved) == sorted(ref["saved"])  # a tied lm_head written once, as plain save_pretrained does
     for k, want in ref["saved"].items():
         torch.testing.assert_close(saved[k], want, rtol=RTOL, atol=ATOL, msg=k)
+
+
+@pytest.mark.parametrize("kind", models.KINDS)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_state_dict_memory_is_get_state_dicts_and_other_ranks_keep_no_copy(dist_results, world_size, kind):
+    """No rank's peak exceeds what accelerator.get_state_dict (full_state_dict) allocates on the main rank, and a
+    rank other than 0 allocates at most one gathered flat group (the largest, counted from the model's shapes by
+    tests/_flat_layout.py), never the model."""
+    from _flat_layout import layout
+
+    ranks = dist_results(world_size, f"collective-{kind}")
+    largest_group = max(g.padded for g in layout(models.make_model(kind), world_size)) * 4  # fp32 masters
+    tensors = {id(t): t for t in models.make_model(kind).state_dict(keep_vars=True).values()}  # a tied one once
+    model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    main = ranks[0]["full_state_dict_peak"]
+    assert model_bytes <= main <= model_bytes + largest_group, (main, model_bytes, largest_group)
+    for r, res in enumerate(ranks):
+        assert res["state_dict_peak"] <= main, (r, res["state_dict_peak"], main)
+        if r:
+            assert res["state_dict_peak"] <= largest_group, (r, res["state_dict_peak"], largest_group)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
