@@ -228,9 +228,6 @@ def test_the_trainers_internals_are_used_in_the_adapter_only():
         return out
 
     assert uses(ADAPTER), "the rule would never fire: the adapter itself must show them"
-    integrations = PACKAGE / "integrations"
     found = [f"{p.relative_to(ROOT)}:{line} uses {what}" for p in sorted(PACKAGE.rglob("*.py")) if p != ADAPTER
-             for line, what in uses(p)
-             # engine/ reads torch's own wrapper code (optimizer.py); the Trainer's internals never reach it
-             if what not in ("__code__",) or p.is_relative_to(integrations)]
+             for line, what in uses(p)]
     assert not found, "the Trainer's internals belong in integrations/_transformers_private.py:\n" + "\n".join(found)
