@@ -202,20 +202,25 @@ def test_an_optimizer_classs_step_is_wrapped_once_and_marked():
     functools' `__wrapped__`) and marks `hooked`; and gives ZeroOptimizer a step wrapped once and marked, which
     torch then leaves as it is."""
 
-    class Plain(torch.optim.SGD):
+    class Plain(torch.optim.Optimizer):  # its own update (a super().step() would run the base class's wrapper)
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
         def step(self, closure=None):
-            return super().step(closure)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data.add_(-group["lr"])
 
     own = Plain.__dict__["step"]
     calls = []
-    opt = Plain([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    opt = Plain([torch.nn.Parameter(torch.zeros(1))])
     opt.register_step_pre_hook(lambda *args: calls.append("pre"))
     wrapped = Plain.__dict__["step"]
     assert wrapped is not own and getattr(wrapped, "hooked", False) and wrapped.__wrapped__ is own
     opt.step()
     assert calls == ["pre"]
     wrapped.__wrapped__(opt)  # the update alone: no hook
-    assert calls == ["pre"]
+    assert calls == ["pre"] and opt.param_groups[0]["params"][0].item() == pytest.approx(-0.2)  # two updates
 
     class Marked(torch.optim.SGD):
         pass
