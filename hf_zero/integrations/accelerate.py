@@ -166,24 +166,15 @@ class HfZeroAccelerator(Accelerator):
     # ---------------------------------------------------------------- prepare
     def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None) -> Any:
         """Shard the model with its optimizer first (whatever the argument order), then let Accelerate prepare the
-        rest (data loaders, the ZeRO optimizer's wrapper, schedulers re-pointed at the ZeRO optimizer)."""
+        rest (data loaders, the ZeRO optimizer's wrapper, schedulers). The optimizer is sharded in place, so the
+        schedulers built on it keep driving it."""
         models = [a for a in args if isinstance(a, nn.Module) and self._engine_of(a) is None]
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer) and not is_prepared(a)]
-        replaced: Dict[int, Any] = {}
         if len(models) == 1 and len(optimizers) == 1:
-            engine = self._shard(models[0], optimizers[0])
-            replaced[id(optimizers[0])] = engine.optimizer
-            self._repoint_schedulers(args, optimizers[0], engine.optimizer)
+            self._shard(models[0], optimizers[0])
         elif len(models) > 1 or len(optimizers) > 1:
             raise ValueError("HfZeroAccelerator.prepare takes one model and its optimizer")
-        new_args = [replaced.get(id(a), a) for a in args]
-        return super().prepare(*new_args, device_placement=device_placement)
-
-    @staticmethod
-    def _repoint_schedulers(args: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-        for a in args:
-            if isinstance(a, torch.optim.lr_scheduler.LRScheduler) and a.optimizer is old:
-                a.optimizer = new
+        return super().prepare(*args, device_placement=device_placement)
 
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False) -> nn.Module:

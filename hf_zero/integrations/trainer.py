@@ -83,19 +83,6 @@ class ZeroTrainerMixin:
             return None
         return super()._move_model_to_device(model, device)
 
-    def create_scheduler(self, num_training_steps: int, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
-        """The Trainer's scheduler; one given as `optimizers=(optimizer, scheduler)` was built on the optimizer that
-        sharding replaced, so it is re-pointed at the ZeRO optimizer (as HfZeroAccelerator.prepare re-points the
-        schedulers it is given). Under DDP the prepared optimizer shares the user's param_groups; the ZeRO
-        optimizer has its own, and the scheduler would go on setting the learning rate of an optimizer nothing
-        steps."""
-        scheduler = super().create_scheduler(num_training_steps, optimizer)
-        engines = self.accelerator.zero_engines
-        if engines and isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) \
-                and scheduler.optimizer.param_groups is not engines[0].optimizer.param_groups:
-            scheduler.optimizer = engines[0].optimizer
-        return scheduler
-
     @property
     def zero_engine(self):
         """The engine behind the sharded model (after training started)."""
