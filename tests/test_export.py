@@ -447,6 +447,9 @@ def test_offline_export_memory_is_bounded(big, tmp_path, capsys):
     assert_same_bytes(out, big["ref"])
 
 
+SMALL = 64 * 2**10  # scalars and small temporaries of the collectives: far below a flat group here (12 MiB, 16.5 MiB)
+
+
 def test_online_export_memory_is_bounded(dist_results, big, root, capsys):
     """export_pretrained(engine) of BIG at stage 3 over 2 gloo ranks: rank 0 holds one output file plus one
     gathered flat group, rank 1 (which writes nothing) one group, never the model; the files are save_pretrained's
@@ -462,13 +465,14 @@ def test_online_export_memory_is_bounded(dist_results, big, root, capsys):
               f"{_mib(writer['heap'])} of Python heap, rank 1 {_mib(other['tensors'])} and {_mib(other['heap'])}")
     assert writer["largest_group"] == big["group"]
     assert other["tensors"] >= big["group"], "the counter did not see rank 1 gather the largest group"
-    assert other["tensors"] <= big["group"], (
-        f"rank 1 (gathers only) allocated {_mib(other['tensors'])} of tensors, more than one group "
-        f"({_mib(big['group'])})")
+    # besides the group, the collectives' own scalars (8 bytes seen in one run): SMALL is far below any group
+    assert other["tensors"] <= big["group"] + SMALL, (
+        f"rank 1 (gathers only) allocated {other['tensors']} B of tensors, more than one group "
+        f"({big['group']} B) + {SMALL} B")
     assert writer["tensors"] >= big["file"], "the counter did not see the output file rank 0 held"
-    assert writer["tensors"] <= big["file"] + big["group"], (
-        f"online export: {_mib(writer['tensors'])} of tensors on rank 0, more than one output file "
-        f"({_mib(big['file'])}) + one group ({_mib(big['group'])})")
+    assert writer["tensors"] <= big["file"] + big["group"] + SMALL, (
+        f"online export: {writer['tensors']} B of tensors on rank 0, more than one output file "
+        f"({big['file']} B) + one group ({big['group']} B) + {SMALL} B")
     # the data is in tensors; the Python heap is the loop's objects and the index (0.2-0.4 MiB measured)
     assert writer["heap"] < 2**20 and other["heap"] < 2**20, (writer["heap"], other["heap"])
     assert_same_bytes(os.path.join(root, "big-online"), big["ref"])
