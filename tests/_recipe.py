@@ -73,11 +73,11 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
                  probe_step: Optional[int] = None, zero_checkpointing: Optional[tuple] = None,
                  offload_optimizer: str = "none", offload_params: str = "none",
                  sync_every_micro_batch: bool = False, zero_options: Optional[dict] = None,
-                 stray_forward: bool = False) -> Dict[str, Any]:
+                 stray_forward: bool = False, final_memory: bool = False) -> Dict[str, Any]:
     """The recipe through hf_zero on this rank (`sync_every_micro_batch`: never enter no_sync(), so stages 0/1
     reduce after every micro-batch and accumulate on top of reduced sums; `stray_forward`: before each step, one
     more forward with grad enabled whose loss is never backpropagated, as a metric computed in train mode would be).  Records per-step comm_stats (reset at each step's start, read
-    after optimizer.step/zero_grad); at `probe_step` (0-based), after the last backward and before clipping,
+    after optimizer.step/zero_grad; `final_memory`: memory_stats() after the last step); at `probe_step` (0-based), after the last backward and before clipping,
     records memory_stats and independent byte counts of the tensors the engine holds. `zero_options` may carry
     `collectives` ("flat": the NCCL-shaped collectives on gloo); the run records the strategies it chose and the
     ledger per strategy."""
@@ -132,6 +132,8 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
         out["comm_by_strategy"].append(engine.comm_stats_by_strategy())
         out["losses"].append(total / accum)
     out["layer_calls_per_micro_batch"] = layer_calls[0] / (steps * accum * len(units))
+    if final_memory:  # memory_stats() after the run: peaks and budgets
+        out["final_memory"] = dict(engine.memory_stats())
     sd = engine.full_state_dict()
     if rank == 0:
         out["state"] = _detach_state(sd)

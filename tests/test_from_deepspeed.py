@@ -105,9 +105,19 @@ def test_zero_infinity_tutorial_cpu_offload():
     config, warning = _read(ZERO_INFINITY_TUTORIAL)
     _only(config, stage=3, reduce_bucket_size=10**7 * 4, offload_optimizer="cpu", offload_params="cpu", prefetch=1)
     assert "stage3_prefetch_bucket_size=10000000: hf_zero prefetches whole stage-3 units" in warning
-    for knob in ("stage3_max_live_parameters=1000000000", "stage3_max_reuse_distance=1000000000",
+    for knob in ("stage3_max_reuse_distance=1000000000",
                  "stage3_param_persistence_threshold=100000", "sub_group_size=1000000000"):
         assert knob in warning.split("no effect")[1], knob
+
+
+def test_max_live_parameters_is_the_live_parameter_budget():
+    """stage3_max_live_parameters is hf_zero's max_live_parameters, in the same unit (parameter elements); the
+    tutorial's 1e9 is the default and sets nothing, "auto" keeps the default."""
+    config, warning = _read({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 3e8}})
+    _only(config, stage=3, max_live_parameters=3 * 10**8)
+    assert "stage3_max_live_parameters" not in warning
+    config, _ = _read({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto"}})
+    _only(config, stage=3)
 
 
 def test_zero_offload_tutorial_old_cpu_offload_flag():

@@ -30,7 +30,7 @@ ZEROCONFIG_FIELDS = ["stage", "mixed_precision", "grad_accum_dtype", "reduce_dty
                      "debug_collectives", "initial_loss_scale", "loss_scale_growth_interval", "loss_scale_factor",
                      "min_loss_scale", "quantized_weights", "quantized_gradients", "quantized_frozen_weights",
                      "quantization_block_size", "quantized_error_feedback", "reshard_after_forward",
-                     "reshard_after_forward_modules", "state_dict_timeout_s", "extra"]
+                     "reshard_after_forward_modules", "state_dict_timeout_s", "max_live_parameters", "extra"]
 
 
 # ------------------------------------------------------------------------------------------------ the docs table
@@ -99,7 +99,7 @@ def test_zero_plugin_fields_and_yaml_keys_are_the_plugin_declarations(tmp_path):
                    loss_scale_factor=4.0, min_loss_scale=0.5, quantized_weights="int8", quantized_gradients="int4",
                    quantized_frozen_weights="int8", quantization_block_size=64, quantized_error_feedback=True,
                    reshard_after_forward=False, reshard_after_forward_modules={"GPT2Block": True, "model.layers.0": False},
-                   async_save=True, state_dict_timeout_s=30.0)
+                   async_save=True, state_dict_timeout_s=30.0, max_live_parameters=12345)
     assert set(changed) == {o.name for o in PLUGIN} - {"shard_group_size"}  # excluded by hpz_partition_size
     plugin = ZeroPlugin(**changed)
     plugin.to_yaml(tmp_path / "hf_zero.yaml")

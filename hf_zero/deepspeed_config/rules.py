@@ -296,7 +296,7 @@ def _micro_batch(r: Reader, key: str, value: Any) -> None:
 _ZERO = "zero_optimization."
 _OFF_OPT, _OFF_PARAM = _ZERO + "offload_optimizer.", _ZERO + "offload_param."
 _NO_EFFECT_KEYS = tuple(_ZERO + k for k in (
-    "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_param_persistence_threshold",
+    "sub_group_size", "stage3_max_reuse_distance", "stage3_param_persistence_threshold",
     "stage3_model_persistence_threshold", "stage3_module_granularity_threshold",
     "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential", "use_multi_rank_bucket_allreduce",
     "memory_efficient_linear", "round_robin_gradients", "log_trace_cache_warnings", "enable_sanity_checks",
@@ -330,6 +330,9 @@ RULES: Tuple[Rule, ...] = (
     Rule((_ZERO + "stage3_prefetch_bucket_size",), "`prefetch`",
          '0: 0; more: 1 unit (hf_zero prefetches whole units, named in the warning); "auto": hf_zero\'s default 1',
          _prefetch),
+    Rule((_ZERO + "stage3_max_live_parameters",), "`max_live_parameters`",
+         'the same number of parameter elements; "auto": hf_zero\'s default (1e9, DeepSpeed\'s too)',
+         _option("max_live_parameters", lambda r, k, v: _whole(r, k, v))),
     Rule((_OFF_OPT + "device", _ZERO + "cpu_offload"), "`offload_optimizer`",
          "none/cpu: the same; nvme: cpu, named in the warning (no NVMe offload); cpu_offload (DeepSpeed's old flag) "
          "true: cpu", _offload("offload_optimizer", stage3_only=False)),

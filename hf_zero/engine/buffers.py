@@ -15,40 +15,61 @@ from .planning import GroupPlan
 
 
 class BufferPool:
-    """Hands out flat buffers by (numel, dtype, device) and takes them back, so steady-state steps allocate
-    nothing new (M_D). It keeps what it handed out at its busiest moment, which the reducer bounds (C_B: bytes of
-    buckets in flight). Tracks live and peak bytes for memory_stats()."""
+    """Hands out gradient buckets as views of fixed-size slabs of `slab_bytes` (C_B) and takes them back, so
+    steady-state steps allocate nothing new (M_D) and what the pool holds is a number of slabs, whatever the
+    buckets' sizes (a pool keyed by size kept one buffer per distinct group size: up to the whole gradient). A
+    request larger than a slab gets a buffer of its own, freed when given back. Tracks live and peak bytes (of
+    slabs, the memory held) for memory_stats(); the reducer bounds them (its budget)."""
 
-    def __init__(self, keep_free: Optional[int] = None) -> None:
-        self.keep_free = keep_free
-        self._free: Dict[Tuple[int, torch.dtype, torch.device], List[torch.Tensor]] = defaultdict(list)
+    def __init__(self, slab_bytes: int) -> None:
+        self.slab_bytes = slab_bytes
+        self._free: Dict[torch.device, List[torch.Tensor]] = defaultdict(list)
+        self._slab_of: Dict[int, torch.Tensor] = {}  # id(bucket) -> the slab it views
         self.live_bytes = 0
         self.peak_bytes = 0
         self.allocations = 0  # fresh allocations (not reuses): M_D means this stops growing after step 1
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
-        free = self._free[(numel, dtype, device)]
-        if free:
-            buf = free.pop()
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes <= self.slab_bytes:
+            free = self._free[self._device(device)]
+            if free:
+                slab = free.pop()
+            else:
+                slab = torch.empty(self.slab_bytes, dtype=torch.uint8, device=device)
+                self.allocations += 1
+            buf = slab[:nbytes].view(dtype)
+            self._slab_of[id(buf)] = slab
+            held = self.slab_bytes
         else:
             buf = torch.empty(numel, dtype=dtype, device=device)
             self.allocations += 1
+            held = nbytes
         if zero:
             buf.zero_()
-        self.live_bytes += buf.numel() * buf.element_size()
+        self.live_bytes += held
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return buf
 
+    def _device(self, device: torch.device) -> torch.device:
+        """`device` with its index ("cuda" is "cuda:0" on device 0), as the slabs report theirs."""
+        device = torch.device(device)
+        if device.type != "cpu" and device.index is None:
+            device = torch.device(device.type, getattr(torch, device.type).current_device())
+        return device
+
     def give(self, buf: torch.Tensor) -> None:
-        self.live_bytes -= buf.numel() * buf.element_size()
-        free = self._free[(buf.numel(), buf.dtype, buf.device)]
-        if self.keep_free is None or len(free) < self.keep_free:
-            free.append(buf)
+        slab = self._slab_of.pop(id(buf), None)
+        if slab is None:
+            self.live_bytes -= buf.numel() * buf.element_size()
+            return
+        self.live_bytes -= self.slab_bytes
+        self._free[slab.device].append(slab)
 
     @property
     def reserved_bytes(self) -> int:
-        """Bytes held by the pool: live buffers plus free ones kept for reuse."""
-        return self.live_bytes + sum(b.numel() * b.element_size() for bs in self._free.values() for b in bs)
+        """Bytes held by the pool: live buffers plus free slabs kept for reuse."""
+        return self.live_bytes + sum(s.numel() for slabs in self._free.values() for s in slabs)
 
 
 def _host_pinned(t: torch.Tensor, compute_device: torch.device) -> torch.Tensor:

@@ -24,9 +24,9 @@ from .gatherer import GatheredBytes, Gatherer, Unit
 from .loading import ShardLoader, Weights, resolve_weights
 from .optimizer import ZeroOptimizer, check_elementwise, shard_optimizer
 from .placement import compute_device
-from .planning import ShardPlan, find_unit_modules, plan_model
+from .planning import ShardPlan, plan_model
 from .partitioned import set_placeholders
-from .reducer import Reducer
+from .reducer import Reducer, comm_buffers_budget, largest_bucket, reduction_columns
 from .rendezvous import Rendezvous, RendezvousTimeout
 from .scaler import LossScaler
 from .state import ShardState, apply_shard_state, capture_shard_state, full_group_values
@@ -66,17 +66,22 @@ class ZeroEngine:
         self.collectives = {comm.strategy(self.device.type).name for comm in self.topology.comms()}
         self._check_optimizer(model, optimizer)
         self.plan: ShardPlan = plan_model(model, self.comm.world_size, config, self.partition_comm.world_size)
-        self.pool = BufferPool()
         # stage 3: one state per unit (gathered or not, where the step is), shared by the unit and its groups
         self.unit_states = [UnitState() for _ in self.plan.units]
         self.groups = self._load(record) if record is not None else None
         if self.groups is None:
             self._move_buffers()
             self.groups = self._build_groups()
+        # stages 2/3: each group's buckets (column chunks for a group larger than C_B), from slabs of the largest
+        # bucket (at most C_B: a small model's buckets take no more than they need)
+        columns = reduction_columns(self.groups, config.stage, config.reduce_torch_dtype, config.reduce_bucket_size)
+        self.pool = BufferPool(largest_bucket(self.groups, columns, config.reduce_torch_dtype))
         self.reducer = Reducer(
-            self.groups, config.stage, self.partition_comm, self.pool, max_inflight_bytes=4 * config.reduce_bucket_size,
-            route=self.topology.reduce_route([g.plan for g in self.groups]), world_size=self.comm.world_size,
-            reduce_dtype=config.reduce_torch_dtype, on_launch=self._on_group_launched, on_backward_end=self._on_backward_end,
+            self.groups, config.stage, self.partition_comm, self.pool,
+            budget_bytes=comm_buffers_budget(self.pool.slab_bytes), bucket_bytes=config.reduce_bucket_size,
+            route=self.topology.reduce_route([g.plan for g in self.groups], columns), world_size=self.comm.world_size,
+            reduce_dtype=config.reduce_torch_dtype, on_launch=self._on_group_launched,
+            on_backward_end=self._on_backward_end, agree=self.comm.control.share, columns=columns,
         )
         self.gathered = GatheredBytes()
         self.gatherer: Optional[Gatherer] = self._build_gatherer() if config.stage == 3 else None
@@ -225,12 +230,12 @@ class ZeroEngine:
         return groups
 
     def _build_gatherer(self) -> Gatherer:
-        modules = dict([("", self.model)] + find_unit_modules(self.model, self.config.units))
-        units = [Unit(u.index, u.name, modules[u.name], [self.groups[i] for i in u.groups],
+        units = [Unit(u.index, u.name, self.model.get_submodule(u.name), [self.groups[i] for i in u.groups],
                       self.topology.gather_route(u.reshard_after_forward), self.gathered, self.unit_states[u.index],
                       u.reshard_after_forward) for u in self.plan.units]
         return Gatherer(units, self.config.prefetch, self.gathered,
-                        on_backward_start=self.reducer.queue_end_of_backward)
+                        on_backward_start=self._on_backward_start,
+                        max_live=self.config.max_live_parameters)
 
     def _log_plan(self) -> None:
         mem = self.memory_stats()
@@ -248,6 +253,15 @@ class ZeroEngine:
                         mem["offloaded"] / 2**20)
 
     # ------------------------------------------------------------------ hooks from the reducer
+    def _on_backward_start(self) -> None:
+        """Stage 3, as a backward reaches a unit: until the ranks have agreed the reducer's order, guess it from the
+        units' forward order, which every rank shares (their all-gathers had to match): the groups of the units in
+        reverse, so the first backward already releases each unit as its gradients are launched."""
+        if not self.reducer.order_agreed and self.gatherer.order:
+            self.reducer.guess_order([i for u in reversed(self.gatherer.order) for i in reversed(self.plan.units[
+                u.index].groups)])
+        self.reducer.queue_end_of_backward()
+
     def _on_group_launched(self, group: FlatGroup) -> None:
         if self.gatherer is not None:
             self.gatherer.on_group_launched(group)
@@ -373,8 +387,10 @@ class ZeroEngine:
         out["module_buffers"] = sum(b.numel() * b.element_size() for b in self.model.buffers())
         out["comm_buffers"] = self.pool.reserved_bytes  # C_B: gradient buckets and reduce-scatter outputs, reused
         out["comm_buffers_peak"] = self.pool.peak_bytes
+        out["comm_buffers_budget"] = self.reducer.budget_bytes  # what the reducer keeps the peak to
         out["comm_buffer_allocations"] = self.pool.allocations  # M_D: stops growing after the first step
         out["gathered_params_peak"] = self.gathered.peak
+        out["gathered_params_budget"] = self._gathered_budget()
         out["hpz_secondary"] = self.gathered.secondary  # hpZ's host-group slices kept for the backward
         out["hpz_secondary_peak"] = self.gathered.secondary_peak
         out["gathered_params"] = sum(g.gathered_bytes for g in self.groups)
@@ -383,6 +399,19 @@ class ZeroEngine:
                           + out["error_feedback"])
         out["total"] = out["model_states"] + out["buffers"]
         return out
+
+    def _gathered_budget(self) -> int:
+        """Stage 3: the most bytes of gathered parameters the gatherer allows itself: a prefetch only within
+        `max_live_parameters` (elements, every gathered unit counted), and a unit needed now is gathered whatever
+        is held, which is at most the units that never reshard, the unit just used (released once its gradients
+        are launched) and the one it needs now; 0 below stage 3."""
+        if self.gatherer is None:
+            return 0
+        size = {u.index: sum(self.groups[i].full_bytes for i in u.groups) for u in self.plan.units}
+        resident = sum(size[u.index] for u in self.plan.units if not u.reshard_after_forward)
+        others = sorted((size[u.index] for u in self.plan.units if u.reshard_after_forward), reverse=True)[:2]
+        element = max((g.full.element_size() for g in self.groups), default=0)
+        return max(self.config.max_live_parameters * element, resident + sum(others))
 
     # ------------------------------------------------------------------ full parameters
     def gathered_parameters(self) -> contextlib.AbstractContextManager:

@@ -95,6 +95,7 @@ class Unit:
         self.is_root = index == 0
         self.reshard_after_forward = reshard_after_forward and not self.is_root
         self._trainable_groups = sum(1 for g in groups if g.plan.trainable)
+        self.numel = sum(g.plan.padded_numel for g in groups)  # elements a gather materialises
 
     def _versions(self) -> List[int]:
         return [g.version for g in self.groups]
@@ -194,8 +195,9 @@ class Gatherer:
     """Installs the stage-3 hooks and keeps the execution order used for prefetching."""
 
     def __init__(self, units: List[Unit], prefetch: int, meter: GatheredBytes,
-                 on_backward_start: Callable[[], None]) -> None:
+                 on_backward_start: Callable[[], None], max_live: int = 0) -> None:
         self.units, self.prefetch, self.meter = units, prefetch, meter
+        self.max_live = max_live  # max_live_parameters: a prefetch never takes the gathered elements beyond it
         self.root = next(u for u in units if u.is_root)
         self.on_backward_start = on_backward_start
         self.order: List[Unit] = []  # forward execution order, recorded on the first forward
@@ -212,12 +214,26 @@ class Gatherer:
 
     # ------------------------------------------------------------ prefetch
     def _next_units(self, unit: Unit, backward: bool) -> List[Unit]:
+        """The units to prefetch after `unit`: the next `prefetch` in the recorded order (backward: the previous
+        ones), as far as the live-parameter budget allows."""
         if unit not in self.order or self.prefetch == 0:
             return []
         i = self.order.index(unit)
         if backward:
-            return [u for u in reversed(self.order[max(0, i - self.prefetch):i]) if u is not self.root]
-        return self.order[i + 1:i + 1 + self.prefetch]
+            ahead = [u for u in reversed(self.order[max(0, i - self.prefetch):i]) if u is not self.root]
+        else:
+            ahead = self.order[i + 1:i + 1 + self.prefetch]
+        if not self.max_live:
+            return ahead
+        live = sum(u.numel for u in self.units if not u.state.sharded) + (unit.numel if unit.state.sharded else 0)
+        fits = []
+        for u in ahead:
+            if u.state.sharded:
+                live += u.numel
+                if live > self.max_live:
+                    break
+            fits.append(u)
+        return fits
 
     # ------------------------------------------------------------ hooks
     def _make_pre(self, unit: Unit):

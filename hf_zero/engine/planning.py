@@ -138,14 +138,69 @@ def find_unit_modules(model: nn.Module, units: Optional[Sequence] = None) -> Lis
 
 
 def _unit_of(name: str, unit_index: Dict[str, int]) -> int:
-    """Index (1-based; 0 is the root) of the unit that holds the parameter `name`: look its module prefixes up
-    (depth lookups per name, not one scan of every unit, which made a 1T-parameter plan quadratic)."""
+    """Index (1-based; 0 is the root) of the innermost unit that holds the parameter `name`: look its module
+    prefixes up, longest first (units nest once the live-parameter budget splits one: `split_units`; depth lookups
+    per name, not one scan of every unit, which made a 1T-parameter plan quadratic)."""
     parts = name.split(".")
-    for depth in range(1, len(parts)):
+    for depth in range(len(parts) - 1, 0, -1):
         index = unit_index.get(".".join(parts[:depth]))
         if index is not None:
             return index
     return 0
+
+
+def split_units(model: nn.Module, units: List[Tuple[str, nn.Module]], budget: Optional[int]
+                ) -> List[Tuple[str, nn.Module]]:
+    """Stage 3's live-parameter budget (`max_live_parameters`, DeepSpeed's `stage3_max_live_parameters`): a unit
+    (the root included) whose own parameters exceed `budget` elements is gathered by sub-module instead. Each child
+    holding some of its parameters becomes a unit, recursively, until it fits or is a module whose direct
+    parameters alone exceed it; the largest thing gathered at once is then the budget or that module's own
+    parameters. A split module keeps as a unit of its own its direct parameters and any a tie shares between its
+    children (the root keeps them for the model). Returns the units (without the root "") in registration order."""
+    if not budget:
+        return units
+    names_of: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    params = {id(p): p for p in model.parameters()}
+    taken = [f"{n}." for n, _ in units]  # the outermost units: the root's split stops at them
+
+    def owned(prefix: str, inner: Sequence[str]) -> int:
+        """Elements of the parameters all of whose names lie under `prefix` and none under `inner`."""
+        return sum(params[i].numel() for i, names in names_of.items()
+                   if all(n.startswith(prefix) and not n.startswith(tuple(inner)) for n in names))
+
+    def split(name: str, module: nn.Module, keep_self: bool) -> List[Tuple[str, nn.Module]]:
+        prefix = f"{name}." if name else ""
+        inner = [t for t in taken if t.startswith(prefix) and t != prefix]
+        size = owned(prefix, inner)
+        if size == 0:
+            return []
+        if size <= budget:
+            return [(name, module)] if keep_self else []
+        out: List[Tuple[str, nn.Module]] = []
+        for child_name, child in module.named_children():
+            if f"{prefix}{child_name}." not in taken:
+                out += split(prefix + child_name, child, keep_self=True)
+        if keep_self and owned(prefix, inner + [f"{n}." for n, _ in out]):
+            out.insert(0, (name, module))  # its direct parameters, and ties between its children
+        return out
+
+    result = split("", model, keep_self=False)
+    for name, module in units:
+        result += split(name, module, keep_self=True)
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(result, key=lambda u: order[u[0]])
+
+
+def bucket_elements(dtype: torch.dtype, trainable: bool, config: ZeroConfig) -> int:
+    """C_B in elements of a flat group of `dtype`: `reduce_bucket_size` bytes of the group in its compute dtype, and
+    at stages 2/3 of its gradient bucket in the reduce dtype too (fp32 buckets of bf16 gradients hold half as many),
+    so that no bucket the reducer takes exceeds C_B bytes."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if trainable and config.stage >= 2:
+        size = max(size, torch.empty((), dtype=config.reduce_torch_dtype(dtype)).element_size())
+    return max(1, config.reduce_bucket_size // size)
 
 
 def compute_dtype_of(param: torch.Tensor, config: ZeroConfig) -> torch.dtype:
@@ -164,6 +219,8 @@ def plan_model(model: nn.Module, world_size: int, config: ZeroConfig,
     if partition_size is not None and (partition_size < 1 or world_size % partition_size):
         raise ValueError(f"partition_size={partition_size} must divide world_size={world_size}")
     unit_modules = find_unit_modules(model, config.units)
+    if config.stage == 3:
+        unit_modules = split_units(model, unit_modules, config.max_live_parameters)
     unit_index = {n: i + 1 for i, (n, _) in enumerate(unit_modules)}
     units = [UnitPlan(0, "", type(model).__name__)] + [
         UnitPlan(i + 1, n, type(m).__name__) for i, (n, m) in enumerate(unit_modules)
@@ -176,7 +233,8 @@ def plan_model(model: nn.Module, world_size: int, config: ZeroConfig,
 
     reshard_policy(units, config)
     partition = 1 if config.stage == 0 else (partition_size or world_size)
-    # Bucket cap in elements, per compute dtype; stage 3 never splits a unit.
+    # Bucket cap in elements, per compute dtype (C_B): a group is a reduction bucket at every stage, reduce-scattered
+    # as soon as its gradients have arrived; at stage 3 a unit is gathered as its groups.
     groups: List[GroupPlan] = []
     members_of: Dict[int, List[Tuple[nn.Parameter, List[str]]]] = {u.index: [] for u in units}
     for p, names in params.values():
@@ -187,10 +245,10 @@ def plan_model(model: nn.Module, world_size: int, config: ZeroConfig,
         open_groups: Dict[Tuple[torch.dtype, bool], GroupPlan] = {}
         for p, names in members:
             dtype, trainable = compute_dtype_of(p, config), bool(p.requires_grad)
-            cap = max(1, config.reduce_bucket_size // torch.empty((), dtype=dtype).element_size())
+            cap = bucket_elements(dtype, trainable, config)
             key = (dtype, trainable)
             group = open_groups.get(key)
-            if group is None or (config.stage < 3 and group.numel > 0 and group.numel + p.numel() > cap):
+            if group is None or (group.numel > 0 and group.numel + p.numel() > cap):
                 group = GroupPlan(index=len(groups), unit=unit.index, dtype=dtype, trainable=trainable)
                 groups.append(group)
                 unit.groups.append(group.index)

@@ -4,19 +4,26 @@
   averaged (DDP). Accumulating again on top of an averaged buffer stays exact (avg(a + l_r) = a + avg(l)).
 - stage 1: gradients accumulate locally at full size across micro-batches; on the synchronising backward (or at
   the step) each group is reduce-scattered once and the rank keeps the summed range it owns.
-- stages 2/3: every micro-batch's backward copies a group's gradients into a bucket as soon as the group is
-  complete, reduce-scatters the bucket, and adds the owned range into the (fp32) gradient shard. A full-size
-  gradient lives no longer than its bucket.
+- stages 2/3: every micro-batch's backward reduces a group as soon as its gradients have all arrived (they stay
+  where autograd put them until then): they are copied into a bucket of at most C_B (`reduce_bucket_size`; a group
+  larger than that, one parameter larger than a bucket, goes out in column chunks of its [P, S] view), the bucket
+  is reduce-scattered and the owned range added into the (fp32) gradient shard. Buckets come from a pool of C_B
+  slabs, taken only at launch and only while the buckets in flight stay within the budget (`comm_buffers_budget`):
+  a constant, whatever the model's size.
 
 Reductions are issued asynchronously from post-accumulate-grad hooks, so they overlap the rest of the backward,
-and always in one fixed order (reverse group order, which is the backward's order for a stack of blocks): a group
-whose gradients are complete waits until every group before it in that order has been launched. At the end of a
+and always in one order, the same on every rank: a group whose gradients are complete waits until every group
+before it in that order has been launched. The first synchronising backward runs in reverse group order (the
+backward's order for a stack of blocks) and records the order in which groups complete; rank 0's record then
+becomes every rank's order (DDP's rebuild_buckets), so a bucket goes out as soon as it is ready (an untied head,
+first to arrive and last in the layout, no longer waits through the whole backward). At the end of a
 synchronising backward every group not yet launched is launched, zeros where no gradient arrived, so every rank
-issues every group once and in the same order even when ranks used different parameters (a branch one rank
-skips: the result is DDP's with find_unused_parameters=True). The backward waits for its reductions before it
-returns, so no collective of the reducer's is left in flight. Sums are divided by the world size once, at
-`finalize()`, which only the step (and a clip outside no_sync()) calls. "The end of the backward" is the end of the
-outermost one: a nested backward (reentrant activation checkpointing) ending inside it is not (`_end_of_backward`).
+issues every group once and in the same order even when ranks used different parameters or completed them in
+another order (a branch one rank skips: the result is DDP's with find_unused_parameters=True). The backward waits
+for its reductions before it returns, so no collective of the reducer's is left in flight. Sums are divided by the
+world size once, at `finalize()`, which only the step (and a clip outside no_sync()) calls. "The end of the
+backward" is the end of the outermost one: a nested backward (reentrant activation checkpointing) ending inside it
+is not (`_end_of_backward`).
 
 Every reduce-scatter goes through the reduce route chosen when the engine was built (engine/
 routes.py): the partition group's own, or under HSDP the reduce-scatter over the partition group chained to
@@ -25,7 +32,7 @@ the all-reduce of the owned range over the replicas, so the shard holds the sum 
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, List, Optional, Protocol
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 from torch import nn
@@ -33,6 +40,7 @@ from torch import nn
 from .buffers import BufferPool, FlatGroup
 from .comm import Comm, Handle
 from .profiling import phase
+from .routes import column_chunks, gradient_tag
 
 
 def _enclosing_node():
@@ -66,35 +74,95 @@ class ReduceRoute(Protocol):
 
 
 class _GroupState:
-    __slots__ = ("group", "expected", "ready", "complete", "bucket", "handle", "reduced", "reduce_dtype", "predivide")
+    __slots__ = ("group", "expected", "ready", "complete", "handle", "reduced", "reduce_dtype", "predivide",
+                 "columns", "held", "position")
 
-    def __init__(self, group: FlatGroup, reduce_dtype: torch.dtype, world_size: int, stage: int) -> None:
+    def __init__(self, group: FlatGroup, reduce_dtype: torch.dtype, world_size: int, stage: int,
+                 columns: Optional[List[Tuple[int, int]]], position: int) -> None:
         self.group = group
+        self.position = position  # index among the trainable groups: how ranks name it when they agree the order
         self.reduce_dtype = reduce_dtype  # stages 2/3: the bucket's dtype on the wire
+        # stages 2/3: a group's gradients stay where autograd put them (`held`) until the group's turn to launch,
+        # then go out in buckets of at most C_B taken from the pool only then: the whole group, or column chunks
+        # for a group larger than a bucket (no second full-size copy of a gradient that already exists)
+        self.columns = columns
+        self.held: List[tuple] = []  # (slot, gradient) until the group is launched
         # stages 2/3: an fp16 sum of N ranks' (loss-scaled) gradients overflows N times sooner, so each share is
         # divided first (stages 0/1 reduce their accumulator, in grad_accum_dtype, and divide after)
         self.predivide = reduce_dtype == torch.float16 and world_size > 1 and stage >= 2
         self.expected = len(group.params)
         self.ready = 0  # gradients arrived in this backward
         self.complete = False  # all of them arrived in this backward
-        self.bucket: Optional[torch.Tensor] = None
         self.handle: Optional[Handle] = None
         self.reduced = False  # stage 1: the owned range holds a reduced sum, the rest is stale
 
 
+BUCKETS_ALIVE = 4  # buckets in flight at once (DeepSpeed ZeRO-3: one filling and two reducing)
+
+
+def comm_buffers_budget(bucket_bytes: int) -> int:
+    """The most bytes of gradient buckets alive at once, which the reducer keeps to, given the largest bucket
+    (at most C_B): a constant, independent of the model's size (the paper's constant-size buffers)."""
+    return BUCKETS_ALIVE * bucket_bytes
+
+
+def largest_bucket(groups: List[FlatGroup], columns: Dict[int, List[Tuple[int, int]]],
+                   reduce_dtype: Callable[[torch.dtype], torch.dtype]) -> int:
+    """Bytes of the largest bucket the reducer takes: [P, c1 - c0] elements of a group's reduce dtype."""
+    out = 0
+    for g in groups:
+        for c0, c1 in columns.get(g.plan.index, ()):
+            partition = g.plan.padded_numel // g.plan.shard_numel
+            out = max(out, partition * (c1 - c0) * torch.empty((), dtype=reduce_dtype(g.plan.dtype)).element_size())
+    return out
+
+
+def reduction_columns(groups: List[FlatGroup], stage: int, reduce_dtype: Callable[[torch.dtype], torch.dtype],
+                      bucket_bytes: int) -> Dict[int, List[Tuple[int, int]]]:
+    """Stages 2/3: each trainable group's buckets, keyed by the group's index, as [c0, c1) column ranges of its
+    [P, S] view: the whole group, [(0, S)], when its bucket (in the reduce dtype) fits C_B, else column chunks of
+    at most C_B (routes.py `column_chunks`: a parameter larger than a bucket). The engine hands the same map to the
+    reduce route (qgZ's exact slots per chunk)."""
+    out: Dict[int, List[Tuple[int, int]]] = {}
+    if stage < 2:
+        return out
+    for g in groups:
+        plan = g.plan
+        if not plan.trainable or not plan.shard_numel:
+            continue
+        elements = max(1, bucket_bytes // torch.empty((), dtype=reduce_dtype(plan.dtype)).element_size())
+        partition = plan.padded_numel // plan.shard_numel
+        out[plan.index] = ([(0, plan.shard_numel)] if plan.padded_numel <= elements
+                           else column_chunks(plan.shard_numel, partition, elements))
+    return out
+
+
 class Reducer:
-    """Owns the post-accumulate-grad hooks of all trainable parameters."""
+    """Owns the post-accumulate-grad hooks of all trainable parameters.
+
+    `bucket_bytes` (C_B, reduce_bucket_size): no gradient bucket exceeds it, and `budget_bytes` bounds the bytes of
+    buckets alive at once. `agree`: rank 0's value of a Python object on every rank (the
+    control plane's `share`), to agree the launch order."""
 
     def __init__(self, groups: List[FlatGroup], stage: int, comm: Comm, pool: BufferPool,
-                 max_inflight_bytes: int, reduce_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: d,
+                 budget_bytes: int, bucket_bytes: int,
+                 reduce_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: d,
                  on_launch: Optional[Callable[[FlatGroup], None]] = None,
                  on_backward_end: Optional[Callable[[], None]] = None, route: Optional[ReduceRoute] = None,
-                 world_size: Optional[int] = None) -> None:
+                 world_size: Optional[int] = None, agree: Optional[Callable[[object], object]] = None,
+                 columns: Optional[Dict[int, List[Tuple[int, int]]]] = None) -> None:
         self.stage, self.comm, self.pool = stage, comm, pool
         self.route: ReduceRoute = route if route is not None else comm  # reduce-scatters: plain or HSDP
         self.world_size = world_size or comm.world_size  # N: every rank's gradient is in the sum
-        self.states = [_GroupState(g, reduce_dtype(g.plan.dtype) if stage >= 2 else g.plan.dtype, self.world_size,
-                                   stage) for g in groups if g.plan.trainable]
+        self.bucket_bytes, self.budget_bytes = bucket_bytes, budget_bytes
+        self.agree = agree if agree is not None else (lambda obj: obj)
+        columns = columns if columns is not None else reduction_columns(groups, stage, reduce_dtype, bucket_bytes)
+        self.states: List[_GroupState] = []
+        for g in groups:
+            if g.plan.trainable:
+                dtype = reduce_dtype(g.plan.dtype) if stage >= 2 else g.plan.dtype
+                self.states.append(_GroupState(g, dtype, self.world_size, stage, columns.get(g.plan.index),
+                                               len(self.states)))
         self.by_param: Dict[int, tuple] = {}
         self.param_index: Dict[str, int] = {}  # a trainable parameter's position in `got_grad`, by slot name
         for st in self.states:
@@ -104,10 +172,16 @@ class Reducer:
         # whether each parameter got a gradient on this rank since zero_grad(set_to_none=True); the step skips the
         # ones that got none on any rank, as torch's optimizers skip a `.grad` of None (set_to_none=False: zeros)
         self.got_grad: List[bool] = [False] * len(self.param_index)
-        self.max_inflight_bytes = max_inflight_bytes
         self.on_launch, self.on_backward_end = on_launch, on_backward_end
         self.sync = True
-        self.order = list(reversed(self.states))  # the one launch order, the same on every rank
+        # The one launch order, the same on every rank. Until the first synchronising backward has shown the order
+        # in which groups complete, the reverse of the groups' order (a stack of blocks' backward order); then
+        # rank 0's recorded order, agreed on every rank (DDP's rebuild_buckets), so that a bucket that is ready
+        # goes out at once instead of waiting behind one filled later (an untied head: first to arrive, last in
+        # the layout's order).
+        self.order = list(reversed(self.states))
+        self.order_agreed = False
+        self._completed: List[int] = []  # positions of the groups completed in this backward, in that order
         self._next = 0  # position in `order` of the next group to launch in this backward
         self._unreduced = False  # stages 0/1: a backward without sync left local sums for the step to reduce
         self.inflight: List[Handle] = []
@@ -142,13 +216,12 @@ class Reducer:
             self.clear_stale(st)
             g.grad_full[slot.offset:slot.offset + slot.numel].add_(grad)
         else:
-            if st.bucket is None:
-                st.bucket = self.pool.take(g.plan.padded_numel, st.reduce_dtype, grad.device, zero=True)
-            st.bucket[slot.offset:slot.offset + slot.numel].copy_(grad)  # cast to the reduce dtype
+            st.held.append((slot, grad))  # copied into its bucket(s) at launch
         p.grad = None
         st.ready += 1
         if st.ready == st.expected:
             st.complete = True
+            self._completed.append(st.position)
             if self.stage >= 2 or self.sync:
                 self._launch_in_order()
 
@@ -173,8 +246,47 @@ class Reducer:
         if self.on_launch is not None:
             self.on_launch(st.group)
 
+    def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed bucket, once the reductions in flight have left room for it within the budget."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        while self.inflight and self.pool.live_bytes + nbytes > self.budget_bytes:
+            self.inflight.pop(0).wait()
+        return self.pool.take(numel, dtype, device, zero=True)
+
+    def _issue_buckets(self, st: _GroupState) -> None:
+        """Stages 2/3: the group's buckets in turn (one, or its column chunks), each copied from the held gradients
+        (cast to the reduce dtype; zeros where none arrived on this rank) into a bucket of at most C_B taken from
+        the pool within the budget, reduce-scattered, and its owned columns added into the gradient shard."""
+        g, s = st.group, st.group.plan.shard_numel
+        p = g.plan.padded_numel // s
+        held, st.held = st.held, []
+        handles = []
+        for j, (c0, c1) in enumerate(st.columns):
+            width = c1 - c0
+            bucket = self._take(p * width, st.reduce_dtype, g.device)
+            rows = bucket.view(p, width)
+            for slot, grad in held:  # each rank's row: the part of [r*S + c0, r*S + c1) the slot covers
+                for r in range(max(0, slot.offset // s), min(p, -(-(slot.offset + slot.numel) // s))):
+                    a = max(r * s + c0, slot.offset)
+                    b = min(r * s + c1, slot.offset + slot.numel)
+                    if a < b:
+                        rows[r, a - r * s - c0:b - r * s - c0].copy_(grad[a - slot.offset:b - slot.offset])
+            if st.predivide:
+                bucket.div_(self.world_size)
+            owned = rows[g.lo // s]
+
+            def done(owned=owned, bucket=bucket, c0=c0, c1=c1) -> None:
+                g.grad_shard[c0:c1].add_(owned)
+                self.pool.give(bucket)
+
+            tag = gradient_tag(g.plan, j if len(st.columns) > 1 else None)
+            handle = self.route.reduce_scatter(owned, bucket, tag, on_done=done)
+            self.inflight.append(handle)
+            handles.append(handle)
+        st.handle = Handle(handles, None)
+
     def _issue(self, st: _GroupState) -> None:
-        g, tag = st.group, f"grads of group {st.group.plan.index} (unit {st.group.plan.unit})"
+        g, tag = st.group, gradient_tag(st.group.plan)
         self.finalized = False
         if self.stage == 0:
             world = self.world_size
@@ -185,24 +297,34 @@ class Reducer:
             st.handle = self.route.reduce_scatter(g.grad_shard, g.grad_full, tag)
             st.reduced = True
         else:
-            bucket, st.bucket = st.bucket, None
-            if bucket is None:  # no gradient arrived on this rank: its share of the sum is zero
-                bucket = self.pool.take(g.plan.padded_numel, st.reduce_dtype, g.device, zero=True)
-            elif st.predivide:
-                bucket.div_(self.world_size)
-            owned = bucket[g.lo:g.hi]
-
-            def done(owned=owned, bucket=bucket) -> None:
-                g.grad_shard.add_(owned)
-                self.pool.give(bucket)
-
-            st.handle = self.route.reduce_scatter(owned, bucket, tag, on_done=done)
+            self._issue_buckets(st)
+            return
         self.inflight.append(st.handle)
 
     def _throttle(self) -> None:
-        """C_B: bound the bytes of buckets in flight; wait for the oldest reductions beyond it."""
-        while len(self.inflight) > 1 and self.pool.live_bytes > self.max_inflight_bytes:
+        """Bound the bytes of buckets alive: wait for the oldest reductions beyond the budget."""
+        while len(self.inflight) > 1 and self.pool.live_bytes > self.budget_bytes:
             self.inflight.pop(0).wait()
+
+    def guess_order(self, group_indices: List[int]) -> None:
+        """Before the order is agreed: launch in this order of flat-group indices (the same on every rank; groups
+        it leaves out follow in the current order). Ignored once a group of this backward has launched."""
+        if self.order_agreed or self._next:
+            return
+        by_index = {st.group.plan.index: st for st in self.states}
+        first = [by_index[i] for i in dict.fromkeys(group_indices) if i in by_index]
+        chosen = set(map(id, first))
+        self.order = first + [st for st in self.order if id(st) not in chosen]
+
+    def _agree_order(self) -> None:
+        """After the first synchronising backward: every rank takes rank 0's completion order (the groups that did
+        not complete there follow in the old order), so all issue the same collectives in the same order."""
+        mine = list(dict.fromkeys(self._completed))
+        agreed = self.agree(mine)
+        first = [self.states[i] for i in agreed]
+        seen = set(agreed)
+        self.order = first + [st for st in self.order if st.position not in seen]
+        self.order_agreed = True
 
     def _end_of_backward(self) -> None:
         """Runs once when autograd finishes: launch what is left, in order (a synchronising backward), and wait.
@@ -227,9 +349,12 @@ class Reducer:
                 self._launch(st)
             self._unreduced = False
             self.wait()
+            if not self.order_agreed:
+                self._agree_order()
         else:
             self._unreduced = True  # stages 0/1 inside no_sync(): the sums stay local until a sync or the step
         self._next = 0
+        self._completed = []
         for st in self.states:
             st.ready, st.complete = 0, False
         if self.on_backward_end is not None:
@@ -271,8 +396,7 @@ class Reducer:
             g = st.group
             g.zero_grads()
             st.ready, st.complete, st.reduced, st.handle = 0, False, False, None
-            if st.bucket is not None:
-                self.pool.give(st.bucket)
-                st.bucket = None
+            st.held = []
         self._next, self._unreduced = 0, False
+        self._completed = []
         self.finalized = False

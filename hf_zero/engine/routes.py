@@ -107,10 +107,38 @@ def exact_ranges(plan: "GroupPlan", block_size: int) -> List[Tuple[int, int]]:
     return ranges
 
 
-def gradient_tag(plan: "GroupPlan") -> str:
-    """The tag the reducer gives a flat group's gradient reduce-scatter (engine/reducer.py `_issue`): how a route
-    that keeps state per group (`ExactSlots`, qgZ's error feedback) tells the groups' buckets apart."""
-    return f"grads of group {plan.index} (unit {plan.unit})"
+def gradient_tag(plan: "GroupPlan", chunk: Optional[int] = None) -> str:
+    """The tag the reducer gives a flat group's gradient reduce-scatter (engine/reducer.py), or that of its column
+    chunk `chunk` (a group larger than a bucket): how a route that keeps state per bucket (`ExactSlots`, qgZ's error
+    feedback) tells the buckets apart."""
+    tag = f"grads of group {plan.index} (unit {plan.unit})"
+    return tag if chunk is None else f"{tag}, chunk {chunk}"
+
+
+def column_chunks(shard_numel: int, partition: int, bucket_elements: int) -> List[Tuple[int, int]]:
+    """[c0, c1) column ranges of a flat group seen as [partition, shard_numel] (row r: partition rank r's owned
+    range) whose buckets hold at most `bucket_elements`: chunk j is every rank's columns c0..c1, so its
+    reduce-scatter leaves each rank its own columns, and the chunks together send exactly the padded group."""
+    width = max(1, bucket_elements // partition)
+    return [(c, min(c + width, shard_numel)) for c in range(0, shard_numel, width)]
+
+
+def chunk_ranges(ranges: List[Tuple[int, int]], shard_numel: int, partition: int, c0: int, c1: int
+                 ) -> List[Tuple[int, int]]:
+    """`ranges` (flat-group coordinates) as they fall in the bucket of column chunk [c0, c1): row r of the bucket
+    is the group's [r*S + c0, r*S + c1)."""
+    width, out = c1 - c0, []
+    for r in range(partition):
+        lo, hi = r * shard_numel + c0, r * shard_numel + c1
+        for a, b in ranges:
+            a, b = max(a, lo), min(b, hi)
+            if a < b:
+                start = r * width + a - lo
+                if out and out[-1][1] == start:
+                    out[-1] = (out[-1][0], start + b - a)
+                else:
+                    out.append((start, start + b - a))
+    return out
 
 
 class ExactSlots:
@@ -124,9 +152,19 @@ class ExactSlots:
     padding every chunk to the fullest would send more. The layout of each group is fixed when the route is built
     (`groups`, the flat groups' plans), and each bucket is known by its reducer tag (`gradient_tag`)."""
 
-    def __init__(self, quantized: ReduceRoute, exact: "Comm", groups: Sequence["GroupPlan"], block_size: int) -> None:
+    def __init__(self, quantized: ReduceRoute, exact: "Comm", groups: Sequence["GroupPlan"], block_size: int,
+                 columns: Optional[Dict[int, List[Tuple[int, int]]]] = None) -> None:
         self.quantized, self.exact = quantized, exact
-        self.ranges = {gradient_tag(p): exact_ranges(p, block_size) for p in groups if p.trainable}
+        self.ranges: Dict[str, List[Tuple[int, int]]] = {}
+        for p in groups:
+            if not p.trainable:
+                continue
+            ranges = exact_ranges(p, block_size)
+            self.ranges[gradient_tag(p)] = ranges
+            partition = p.padded_numel // p.shard_numel if p.shard_numel else 1
+            chunks = (columns or {}).get(p.index, ())
+            for j, (c0, c1) in enumerate(chunks if len(chunks) > 1 else ()):  # a group reduced in column chunks
+                self.ranges[gradient_tag(p, j)] = chunk_ranges(ranges, p.shard_numel, partition, c0, c1)
         self._index: Dict[Tuple[str, str, int], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def _positions(self, tag: str, device: torch.device, numel: int

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 
@@ -66,14 +66,17 @@ class Topology:
         stores = {id(q.feedback): q.feedback for c in self.comms() if (q := c.quantization) and q.feedback}
         return sum(f.nbytes for f in stores.values())
 
-    def reduce_route(self, groups: Optional[Sequence["GroupPlan"]] = None) -> ReduceRoute:
+    def reduce_route(self, groups: Optional[Sequence["GroupPlan"]] = None,
+                     columns: Optional[Dict[int, List[Tuple[int, int]]]] = None) -> ReduceRoute:
         """What gradients are reduce-scattered through: the partition group (quantized under qgZ), or under HSDP
         that group chained to the replicas' all-reduce (never quantized). Under qgZ, given the flat groups' plans
         (`groups`), the parameters `routes.keeps_exact` names (1-D, smaller than a block) are reduced unquantized
-        beside the quantized bucket (`ExactSlots`); without them every element is quantized."""
+        beside the quantized bucket (`ExactSlots`; `columns`: the column chunks of groups larger than a bucket,
+        reducer.py's `reduction_columns`); without them every element is quantized."""
         quantized: Optional[ReduceRoute] = self.hosts_reduce if self.hosts_reduce is not None else self.gradients
         if quantized is not None and groups is not None:
-            quantized = ExactSlots(quantized, self.partition, groups, self.gradients.quantization.block_size)
+            quantized = ExactSlots(quantized, self.partition, groups, self.gradients.quantization.block_size,
+                                   columns)
         if self.hosts_reduce is not None:
             return quantized
         partition = quantized or self.partition

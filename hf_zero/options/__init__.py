@@ -261,6 +261,12 @@ OPTIONS: Tuple[Option, ...] = (
            "call them (the full weights go to rank 0, the other ranks get meta tensors); a rank waits this many "
            "seconds for the others to call too, then raises an error naming the ranks that did not (a call on the "
            "main process only) instead of hanging."),
+    Option("max_live_parameters", 10**9, Integer(0, "parameter elements; 0: no budget"),
+           "Stage 3: the most parameter elements gathered at once by one unit. A unit (a layer, or the root: "
+           "embeddings and head) with more is gathered by sub-module instead, recursively, so the largest thing "
+           "gathered at once is this budget or the largest single module's own parameters; a unit is prefetched only "
+           "when every gathered parameter, the prefetched unit's included, stays within it. DeepSpeed's "
+           "stage3_max_live_parameters; 0: no budget."),
 )
 
 BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
