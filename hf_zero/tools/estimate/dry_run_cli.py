@@ -126,6 +126,17 @@ def render(reports: List[Dict[str, Any]]) -> str:
                      _g(m["model_states"]), _g(r["plan"]["model_states"]), _g(r["formula"]["model_states"]),
                      f"{100 * delta:+.2f}%", _g(r["peak"]["total"]), _g(r["peak"]["activations"])])
     lines.append(_table(header, rows))
+    lines.append(f"working buffers per rank, {unit}: the step's peak beside the budget the engine keeps it to "
+                 "(gradient buckets: comm_buffers_budget; gathered stage-3 parameters: gathered_params_budget, "
+                 "from max_live_parameters):")
+    rows = []
+    for r in reports:
+        m = r["measured"]
+        label = f"stage {r['stage']}" + ("" if r["option"] == "none" else f" {r['option']}")
+        gathered = (f"{_g(m['gathered_params_peak'])} / {_g(m['gathered_params_budget'])}" if r["stage"] == 3
+                    else "-")
+        rows.append([label, f"{_g(m['comm_buffers_peak'])} / {_g(m['comm_buffers_budget'])}", gathered])
+    lines.append(_table(["", "gradient buckets, peak / budget", "gathered parameters, peak / budget"], rows))
     lines.append("communication per rank and step, elements (ledger = the engine's, formula = the paper's counting "
                  "over the plan's padded groups):")
     rows = []
