@@ -257,3 +257,17 @@ def test_slab_pool_holds_slabs_not_one_buffer_per_size():
     for n in (1, 50, 256):  # three more sizes: reused slabs, no new allocation
         pool.give(pool.take(n, torch.float32, torch.device("cpu")))
     assert pool.allocations == 2 and pool.reserved_bytes == 2048 and pool.peak_bytes == 2048
+
+
+def test_each_stage_is_one_gradient_policy_and_one_residency():
+    """The paper's stages: 0 all-reduces full gradients on every rank (DDP); 1 keeps full gradients locally and
+    reduce-scatters them once; 2 and 3 reduce-scatter every backward's buckets; only 3 shards the parameters."""
+    from hf_zero.engine.policies import policies_for
+
+    table = {s: policies_for(s) for s in range(4)}
+    assert [g.scatters for g, _ in table.values()] == [False, True, True, True]
+    assert [g.full_accumulator for g, _ in table.values()] == [True, True, False, False]
+    assert [g.every_backward for g, _ in table.values()] == [False, False, True, True]
+    assert [r.sharded for _, r in table.values()] == [False, False, False, True]
+    with pytest.raises(ValueError, match="stage 4"):
+        policies_for(4)

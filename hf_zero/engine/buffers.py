@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .partitioned import partition_parameter, set_gathered
+from .policies import GradientPolicy, Residency
 from .quantize import dequantize, pack, quantize, unpack
 from .unit_state import UnitState
 from .planning import GroupPlan
@@ -94,23 +95,26 @@ class FlatGroup:
       FSDP2's do), so that loading never holds more than the parameters.
     """
 
-    def __init__(self, plan: GroupPlan, params: List[nn.Parameter], stage: int, rank: int,
+    def __init__(self, plan: GroupPlan, params: List[nn.Parameter], policies: Tuple[GradientPolicy, Residency],
+                 rank: int,
                  device: torch.device, master_dtype: Optional[torch.dtype], master_device: torch.device,
                  accum_dtype: torch.dtype, values: torch.Tensor, shard_device: torch.device,
                  offload_master: bool = False, values_lo: int = 0, frozen_block: Optional[int] = None,
                  unit_state: Optional[UnitState] = None) -> None:
-        self.plan, self.params, self.stage, self.rank = plan, params, stage, rank
+        self.plan, self.params, self.rank = plan, params, rank
+        self.gradients, self.residency = policies  # policies.py: the stage, read once
         self.device = device
         self.lo, self.hi = plan.owned_range(rank)
         # stage 3: the state of the unit that owns the group, the one answer to "gathered?"; None below stage 3,
         # where the parameters always hold their values
-        assert (unit_state is not None) == (stage == 3), "stage 3 groups, and only they, share their unit's state"
+        sharded = self.residency.sharded
+        assert (unit_state is not None) == sharded, "sharded groups, and only they, share their unit's state"
         self.unit_state = unit_state
         self.version = 0  # bumped whenever the shard's values change (hpZ: secondary slices cut before are stale)
         # `values`: the initial flat values from element `values_lo` on (the whole padded buffer, or at stage 3
         # possibly just the owned range, when the weights were read straight into shards)
         owned = values[self.lo - values_lo:self.hi - values_lo]
-        if stage < 3:
+        if not sharded:
             assert values_lo == 0 and values.numel() == plan.padded_numel, "stages 0-2 need the full buffer"
             self.full = values.to(device=device, dtype=plan.dtype)
             self.shard = self.full[self.lo:self.hi]
@@ -128,10 +132,10 @@ class FlatGroup:
         # in one uint8 tensor (quantize.pack), which is also what its all-gather sends
         self.packed: Optional[torch.Tensor] = None
         self.block = frozen_block
-        if stage == 3 and not plan.trainable and frozen_block is not None:
+        if sharded and not plan.trainable and frozen_block is not None:
             self._store_quantized(self.shard)
         self.point_params(self.full)
-        if stage == 3:
+        if sharded:
             for p, slot in zip(params, plan.slots):  # reads outside a gather raise instead of reading freed memory
                 partition_parameter(p, " / ".join(slot.aliases), self)
             self.free_full()
@@ -151,7 +155,7 @@ class FlatGroup:
         """Allocate the (zeroed) gradient accumulator now, if it does not exist yet."""
         if not self.plan.trainable or self._grad_shard is not None:
             return
-        if self.stage < 2:
+        if self.gradients.full_accumulator:
             self._grad_full = torch.zeros(self.plan.padded_numel, dtype=self._accum_dtype, device=self.device)
             self._grad_shard = self._grad_full[self.lo:self.hi]
         else:
@@ -160,7 +164,7 @@ class FlatGroup:
     @property
     def grad_full(self) -> Optional[torch.Tensor]:
         """Stages 0/1: the padded full gradient accumulator (None at stages 2/3 and for frozen groups)."""
-        if self.stage < 2:
+        if self.gradients.full_accumulator:
             self.allocate_grads()
         return self._grad_full
 
@@ -254,7 +258,7 @@ class FlatGroup:
 
     def state_bytes(self) -> Dict[str, int]:
         """Bytes of model states this group holds on this rank."""
-        params = _bytes(self.full) if self.stage < 3 else _bytes(self.shard) + _bytes(self.packed)
+        params = _bytes(self.shard) + _bytes(self.packed) if self.residency.sharded else _bytes(self.full)
         grads = _bytes(self._grad_full) if self._grad_full is not None else _bytes(self._grad_shard)
         master = 0 if (self.master is None or self.master_is_shard) else _bytes(self.master)
         trainable = params if self.plan.trainable else 0

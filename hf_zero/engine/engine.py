@@ -11,7 +11,7 @@ import contextlib
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from .optimizer import ZeroOptimizer, check_elementwise, shard_optimizer
 from .placement import compute_device
 from .planning import ShardPlan, plan_model
 from .partitioned import set_placeholders
+from .policies import GradientPolicy, Residency, policies_for
 from .reducer import Reducer, comm_buffers_budget, largest_bucket, reduction_columns
 from .rendezvous import Rendezvous, RendezvousTimeout
 from .scaler import LossScaler
@@ -66,6 +67,8 @@ class ZeroEngine:
         self.collectives = {comm.strategy(self.device.type).name for comm in self.topology.comms()}
         self._check_optimizer(model, optimizer)
         self.plan: ShardPlan = plan_model(model, self.comm.world_size, config, self.partition_comm.world_size)
+        # the stage as behaviour, decided once: how gradients are reduced, where parameter values live
+        self.policies: Tuple[GradientPolicy, Residency] = policies_for(config.stage)
         # stage 3: one state per unit (gathered or not, where the step is), shared by the unit and its groups
         self.unit_states = [UnitState() for _ in self.plan.units]
         self.groups = self._load(record) if record is not None else None
@@ -74,17 +77,18 @@ class ZeroEngine:
             self.groups = self._build_groups()
         # stages 2/3: each group's buckets (column chunks for a group larger than C_B), from slabs of the largest
         # bucket (at most C_B: a small model's buckets take no more than they need)
-        columns = reduction_columns(self.groups, config.stage, config.reduce_torch_dtype, config.reduce_bucket_size)
+        columns = reduction_columns(self.groups, self.policies[0], config.reduce_torch_dtype,
+                                    config.reduce_bucket_size)
         self.pool = BufferPool(largest_bucket(self.groups, columns, config.reduce_torch_dtype))
         self.reducer = Reducer(
-            self.groups, config.stage, self.partition_comm, self.pool,
+            self.groups, self.policies[0], self.partition_comm, self.pool,
             budget_bytes=comm_buffers_budget(self.pool.slab_bytes), bucket_bytes=config.reduce_bucket_size,
             route=self.topology.reduce_route([g.plan for g in self.groups], columns), world_size=self.comm.world_size,
             reduce_dtype=config.reduce_torch_dtype, on_launch=self._on_group_launched,
             on_backward_end=self._on_backward_end, agree=self.comm.control.share, columns=columns,
         )
         self.gathered = GatheredBytes()
-        self.gatherer: Optional[Gatherer] = self._build_gatherer() if config.stage == 3 else None
+        self.gatherer: Optional[Gatherer] = self._build_gatherer() if self.policies[1].sharded else None
         # stage 3: model.state_dict() / save_pretrained() outside a gather is collective (the full weights to rank
         # 0), checked first by a rendezvous so that a call on one rank only is an error, not a hang
         self._collective_state_dict = False
@@ -195,12 +199,13 @@ class ZeroEngine:
         master_device = torch.device("cpu") if cfg.offload_optimizer == "cpu" else self.device
         shard_device = torch.device("cpu") if cfg.offload_params == "cpu" else self.device
         groups = []
-        ranges = [gp.owned_range(rank) if cfg.stage == 3 else (0, gp.padded_numel) for gp in self.plan.groups]
+        sharded = self.policies[1].sharded
+        ranges = [gp.owned_range(rank) if sharded else (0, gp.padded_numel) for gp in self.plan.groups]
         if loader is not None:  # headers, shapes, missing keys: what can fail short of reading, before any swap
             for gp, (lo, hi) in zip(self.plan.groups, ranges):
                 loader.check(gp, lo, hi)
         # quantized frozen weights: frozen stage-3 shards kept as int8 codes (floating groups only)
-        quantize_frozen = cfg.stage == 3 and cfg.quantized_frozen_weights == "int8"
+        quantize_frozen = sharded and cfg.quantized_frozen_weights == "int8"
         for gp, (lo, hi) in zip(self.plan.groups, ranges):
             members = [params[s.name] for s in gp.slots]
             frozen_block = (cfg.quantization_block_size if quantize_frozen and not gp.trainable
@@ -220,10 +225,10 @@ class ZeroEngine:
             # fp32 accumulation lifts low-precision gradients; fp32/fp64 parameters accumulate in their own dtype
             low = gp.dtype.is_floating_point and torch.finfo(gp.dtype).bits < 32
             accum = torch.float32 if (cfg.grad_accum_dtype == "fp32" and low) else gp.dtype
-            groups.append(FlatGroup(gp, members, cfg.stage, rank, self.device, master_dtype, master_device, accum,
+            groups.append(FlatGroup(gp, members, self.policies, rank, self.device, master_dtype, master_device, accum,
                                     full, shard_device, offload_master=cfg.offload_optimizer == "cpu",
                                     values_lo=lo, frozen_block=frozen_block,
-                                    unit_state=self.unit_states[gp.unit] if cfg.stage == 3 else None))
+                                    unit_state=self.unit_states[gp.unit] if sharded else None))
             if loader is None:  # a model read from its files gets its gradients at the first backward (peak)
                 groups[-1].allocate_grads()
             del full

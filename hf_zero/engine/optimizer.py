@@ -234,7 +234,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         torch.zeros((), dtype=acc, device=self.device))
             op = dist.ReduceOp.SUM
         local = local.reshape(1).to(self.device)
-        if self.config.stage >= 1:  # stage 0 holds the full, already averaged gradient on every rank
+        if self.reducer.policy.scatters:  # stage 0 holds the full, already averaged gradient on every rank
             # over the partition group: its shards are the whole gradient (HSDP replicas hold the same ones)
             self.comm.all_reduce(local, "grad norm", async_op=False, control=True, op=op)
         total = local[0] if norm_type == float("inf") else local[0] ** (1.0 / norm_type)
@@ -255,7 +255,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         the final average would be (sum / N), over every rank's shard; those sums are scaled in place when over
         `max_norm`. fp16: measured unscaled (the accumulators keep the loss scale)."""
         self.reducer.wait()  # reductions in flight add into the shards (averages nothing)
-        local_only = self.config.stage < 2
+        local_only = self.reducer.policy.full_accumulator
         divisor = float(self.scaler.scale) if self.scaler is not None else 1.0
         tensors, scales = [], []
         for st in self.reducer.states:
@@ -326,7 +326,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         handles, sizes = [], []
         for g in self.trainable_groups():  # frozen groups never change: never communicated after the start
             g.write_master_to_shard()
-            if self.config.stage in (1, 2) and self.comm.world_size > 1:
+            # replicated values updated from one rank's shard (stages 1/2): every rank needs the others' ranges
+            if self.reducer.policy.scatters and not g.residency.sharded and self.comm.world_size > 1:
                 handles.append(self.comm.all_gather(g.full, g.shard, f"params of group {g.plan.index}"))
                 sizes.append(g.plan.padded_numel * g.full.element_size())
                 while len(handles) > 1 and sum(sizes) > self.config.allgather_bucket_size:

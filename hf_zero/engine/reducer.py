@@ -39,6 +39,7 @@ from torch import nn
 
 from .buffers import BufferPool, FlatGroup
 from .comm import Comm, Handle
+from .policies import GradientPolicy
 from .profiling import phase
 from .routes import column_chunks, gradient_tag
 
@@ -77,7 +78,7 @@ class _GroupState:
     __slots__ = ("group", "expected", "ready", "complete", "handle", "reduced", "reduce_dtype", "predivide",
                  "columns", "held", "position")
 
-    def __init__(self, group: FlatGroup, reduce_dtype: torch.dtype, world_size: int, stage: int,
+    def __init__(self, group: FlatGroup, reduce_dtype: torch.dtype, world_size: int, policy: GradientPolicy,
                  columns: Optional[List[Tuple[int, int]]], position: int) -> None:
         self.group = group
         self.position = position  # index among the trainable groups: how ranks name it when they agree the order
@@ -89,7 +90,7 @@ class _GroupState:
         self.held: List[tuple] = []  # (slot, gradient) until the group is launched
         # stages 2/3: an fp16 sum of N ranks' (loss-scaled) gradients overflows N times sooner, so each share is
         # divided first (stages 0/1 reduce their accumulator, in grad_accum_dtype, and divide after)
-        self.predivide = reduce_dtype == torch.float16 and world_size > 1 and stage >= 2
+        self.predivide = reduce_dtype == torch.float16 and world_size > 1 and not policy.full_accumulator
         self.expected = len(group.params)
         self.ready = 0  # gradients arrived in this backward
         self.complete = False  # all of them arrived in this backward
@@ -117,14 +118,15 @@ def largest_bucket(groups: List[FlatGroup], columns: Dict[int, List[Tuple[int, i
     return out
 
 
-def reduction_columns(groups: List[FlatGroup], stage: int, reduce_dtype: Callable[[torch.dtype], torch.dtype],
+def reduction_columns(groups: List[FlatGroup], policy: GradientPolicy,
+                      reduce_dtype: Callable[[torch.dtype], torch.dtype],
                       bucket_bytes: int) -> Dict[int, List[Tuple[int, int]]]:
-    """Stages 2/3: each trainable group's buckets, keyed by the group's index, as [c0, c1) column ranges of its
-    [P, S] view: the whole group, [(0, S)], when its bucket (in the reduce dtype) fits C_B, else column chunks of
-    at most C_B (routes.py `column_chunks`: a parameter larger than a bucket). The engine hands the same map to the
-    reduce route (qgZ's exact slots per chunk)."""
+    """Reduce-scatter per bucket (stages 2/3): each trainable group's buckets, keyed by its index, as [c0, c1)
+    column ranges of its [P, S] view: the whole group, [(0, S)], when its bucket (in the reduce dtype) fits C_B,
+    else column chunks of at most C_B (routes.py `column_chunks`: a parameter larger than a bucket). The engine
+    hands the same map to the reduce route (qgZ's exact slots per chunk)."""
     out: Dict[int, List[Tuple[int, int]]] = {}
-    if stage < 2:
+    if policy.full_accumulator:  # reduced in place from the accumulator: no buckets
         return out
     for g in groups:
         plan = g.plan
@@ -144,24 +146,24 @@ class Reducer:
     buckets alive at once. `agree`: rank 0's value of a Python object on every rank (the
     control plane's `share`), to agree the launch order."""
 
-    def __init__(self, groups: List[FlatGroup], stage: int, comm: Comm, pool: BufferPool,
+    def __init__(self, groups: List[FlatGroup], policy: GradientPolicy, comm: Comm, pool: BufferPool,
                  budget_bytes: int, bucket_bytes: int,
                  reduce_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: d,
                  on_launch: Optional[Callable[[FlatGroup], None]] = None,
                  on_backward_end: Optional[Callable[[], None]] = None, route: Optional[ReduceRoute] = None,
                  world_size: Optional[int] = None, agree: Optional[Callable[[object], object]] = None,
                  columns: Optional[Dict[int, List[Tuple[int, int]]]] = None) -> None:
-        self.stage, self.comm, self.pool = stage, comm, pool
+        self.policy, self.comm, self.pool = policy, comm, pool
         self.route: ReduceRoute = route if route is not None else comm  # reduce-scatters: plain or HSDP
         self.world_size = world_size or comm.world_size  # N: every rank's gradient is in the sum
         self.bucket_bytes, self.budget_bytes = bucket_bytes, budget_bytes
         self.agree = agree if agree is not None else (lambda obj: obj)
-        columns = columns if columns is not None else reduction_columns(groups, stage, reduce_dtype, bucket_bytes)
+        columns = columns if columns is not None else reduction_columns(groups, policy, reduce_dtype, bucket_bytes)
         self.states: List[_GroupState] = []
         for g in groups:
-            if g.plan.trainable:
-                dtype = reduce_dtype(g.plan.dtype) if stage >= 2 else g.plan.dtype
-                self.states.append(_GroupState(g, dtype, self.world_size, stage, columns.get(g.plan.index),
+            if g.plan.trainable:  # an accumulator is reduced in its own dtype (grad_accum_dtype), buckets in theirs
+                dtype = g.plan.dtype if policy.full_accumulator else reduce_dtype(g.plan.dtype)
+                self.states.append(_GroupState(g, dtype, self.world_size, policy, columns.get(g.plan.index),
                                                len(self.states)))
         self.by_param: Dict[int, tuple] = {}
         self.param_index: Dict[str, int] = {}  # a trainable parameter's position in `got_grad`, by slot name
@@ -183,7 +185,7 @@ class Reducer:
         self.order_agreed = False
         self._completed: List[int] = []  # positions of the groups completed in this backward, in that order
         self._next = 0  # position in `order` of the next group to launch in this backward
-        self._unreduced = False  # stages 0/1: a backward without sync left local sums for the step to reduce
+        self._unreduced = False  # an accumulator: a backward without sync left local sums for the step to reduce
         self.inflight: List[Handle] = []
         self._callback_queued = False
         self.finalized = False
@@ -210,7 +212,7 @@ class Reducer:
         self.finalized = False
         grad = p.grad.reshape(-1)
         g = st.group
-        if self.stage < 2:
+        if self.policy.full_accumulator:
             if st.handle is not None:
                 st.handle.wait()  # never add into a buffer a collective is still reading
             self.clear_stale(st)
@@ -222,7 +224,7 @@ class Reducer:
         if st.ready == st.expected:
             st.complete = True
             self._completed.append(st.position)
-            if self.stage >= 2 or self.sync:
+            if self.policy.every_backward or self.sync:
                 self._launch_in_order()
 
     def clear_stale(self, st: _GroupState) -> None:
@@ -288,10 +290,10 @@ class Reducer:
     def _issue(self, st: _GroupState) -> None:
         g, tag = st.group, gradient_tag(st.group.plan)
         self.finalized = False
-        if self.stage == 0:
+        if not self.policy.scatters:  # stage 0: DDP's all-reduce of the full accumulator
             world = self.world_size
             st.handle = self.comm.all_reduce(g.grad_full, tag, on_done=lambda: g.grad_full.div_(world))
-        elif self.stage == 1:
+        elif self.policy.full_accumulator:  # stage 1
             # In place: the owned range of grad_full is the gradient shard, so the sum lands where the step reads it.
             self.clear_stale(st)  # no gradient since the last reduction: contribute zeros outside the owned range
             st.handle = self.route.reduce_scatter(g.grad_shard, g.grad_full, tag)
@@ -344,7 +346,7 @@ class Reducer:
             handle.append(node.register_hook(requeue))
             return
         self._callback_queued = False
-        if self.stage >= 2 or self.sync:
+        if self.policy.every_backward or self.sync:
             for st in self.order[self._next:]:  # parameters that got no gradient here: every rank launches them
                 self._launch(st)
             self._unreduced = False
@@ -352,7 +354,7 @@ class Reducer:
             if not self.order_agreed:
                 self._agree_order()
         else:
-            self._unreduced = True  # stages 0/1 inside no_sync(): the sums stay local until a sync or the step
+            self._unreduced = True  # an accumulator inside no_sync(): the sums stay local until a sync or the step
         self._next = 0
         self._completed = []
         for st in self.states:
@@ -375,12 +377,12 @@ class Reducer:
         """Make every owned gradient range final and averaged (idempotent until the next backward)."""
         if self.finalized:
             return
-        if self.stage < 2 and self._unreduced:  # a step without a synchronising backward: reduce now
+        if self._unreduced:  # an accumulator and a step without a synchronising backward: reduce now
             for st in self.order:
                 self._launch(st)
             self._unreduced = False
         self.wait()
-        if self.stage >= 1 and self.world_size > 1:
+        if self.policy.divides_at_step and self.world_size > 1:
             for st in self.states:
                 if not st.predivide:
                     st.group.grad_shard.div_(self.world_size)

@@ -238,6 +238,7 @@ def apply_shard_state(engine: ZeroEngine, staged: ShardState) -> None:
     if engine.scaler is not None and staged.loss_scaler:
         engine.scaler.load_state_dict(staged.loss_scaler)
     pcomm = engine.partition_comm
-    if engine.config.stage in (1, 2) and pcomm.world_size > 1:  # stages 1/2 hold full parameters: refresh them
+    gradients, residency = engine.policies
+    if gradients.scatters and not residency.sharded and pcomm.world_size > 1:  # stages 1/2: refresh the full values
         for fg in engine.groups:
             pcomm.all_gather(fg.full, fg.shard, f"load {fg.plan.index}", async_op=False)
