@@ -6,8 +6,9 @@
   qgZ: `comm_buffers_peak` <= `comm_buffers_budget` (both from memory_stats()), and the trained weights equal plain
   single-process training's (qgZ: within its loss bound, test_zeropp.py's).
 - Arrival order: a model whose shared gate is used first on even ranks and last on odd ones, so its gradient
-  arrives at opposite ends of the backward; the ranks agree rank 0's order and neither hang nor mismatch, and the
-  weights equal plain torch's mean over the ranks' losses. The budget holds there too.
+  arrives at opposite ends of the backward, and a branch only even ranks use; the ranks agree rank 0's order and
+  neither hang nor mismatch, and the weights equal plain torch's mean over the ranks' losses. The budget holds
+  there too.
 - The live-parameter budget (`max_live_parameters`) at stage 3: units larger than it are gathered by sub-module;
   `gathered_params_peak` stays within `gathered_params_budget` and training is exact.
 - Pure logic, no process: column chunks cover a group exactly once; the unit split's pieces fit the budget (or are
@@ -56,20 +57,22 @@ D, VOCAB, ROWS, SEQ = 24, 97, 12, 8
 
 
 class Swapped(nn.Module):
-    """emb -> [gate on even ranks] -> a -> b -> [gate on odd ranks] -> head. The gate's gradient is the last to
-    arrive on even ranks and among the first on odd ones."""
+    """emb -> [gate, extra on even ranks] -> a -> b -> [gate on odd ranks] -> head. The gate's gradient is the last
+    to arrive on even ranks and among the first on odd ones; `extra` gets a gradient on even ranks only (DDP's
+    find_unused_parameters: the odd ranks' share of its average is zero)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, D)
         self.gate = nn.Linear(D, D)
+        self.extra = nn.Linear(D, D)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(2))
         self.head = nn.Linear(D, VOCAB)
 
     def forward(self, x, t, gate_first: bool):
         h = self.emb(x)
         if gate_first:
-            h = torch.tanh(self.gate(h))
+            h = torch.tanh(self.gate(h)) + self.extra(h)
         for block in self.blocks:
             h = h + block(h)
         if not gate_first:
@@ -123,9 +126,76 @@ def sc_swapped(rank: int, world_size: int, stage: int, steps: int = 3) -> Dict[s
             "memory": mem}
 
 
+class NestedBlock(nn.Module):
+    """A block with a parameter of its own beside two children: split by the live-parameter budget, the block stays
+    a unit for `scale` and each child becomes a unit nested in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(D))
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, h):
+        return h + self.down(torch.tanh(self.up(h * self.scale)))
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList(NestedBlock() for _ in range(2))
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, x, t):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(h).reshape(-1, VOCAB), t.reshape(-1))
+
+
+NESTED_BUDGET = 1500  # a block holds 2,376 elements, each child 1,200 and 1,176
+
+
+def _nested() -> Nested:
+    torch.manual_seed(0)
+    return Nested()
+
+
+def nested_reference(steps: int = 3) -> Dict[str, torch.Tensor]:
+    model = _nested()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, t in _swapped_batches(steps):
+        model(x, t).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def sc_nested(rank: int, world_size: int, steps: int = 3) -> Dict[str, Any]:
+    from hf_zero import ZeroConfig, shard_model
+
+    model = _nested()
+    engine = shard_model(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                         ZeroConfig(stage=3, units=["NestedBlock"], max_live_parameters=NESTED_BUDGET,
+                                    reshard_after_forward=True))
+    units = [u.name for u in engine.plan.units]
+    for x, t in _swapped_batches(steps):
+        engine.backward(model(models.rank_slice(x, rank, world_size), models.rank_slice(t, rank, world_size)))
+        engine.clip_grad_norm_(1.0)
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+    sd = engine.full_state_dict()
+    mem = engine.memory_stats()
+    engine.close()
+    return {"state": {k: v.detach().clone() for k, v in sd.items()} if rank == 0 else None, "units": units,
+            "memory": mem}
+
+
 def scenarios_for(world_size: int):
     out = [(name, sc_train, kw) for name, kw in CASES.items()]
     out += [(f"swapped-s{stage}", sc_swapped, dict(stage=stage)) for stage in (1, 2, 3)]
+    out += [("nested", sc_nested, {})]
     if world_size == 4:
         out = [(name, sc_train, kw) for name, kw in HOSTS.items()]
     return out
@@ -190,6 +260,21 @@ def test_ranks_with_different_arrival_orders_agree_and_train_exactly(dist_result
     for rank, res in enumerate(ranks):
         _check_budget(res["memory"], f"swapped stage {stage} rank {rank}", stage)
     problems = state_mismatches(ranks[0]["state"], swapped_reference(world_size))
+    assert not problems, "\n".join(problems[:10])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_units_split_by_the_live_budget_nest_and_train_exactly(dist_results, world_size):
+    ranks = dist_results(world_size, "nested")
+    units = ranks[0]["units"]
+    for b in ("blocks.0", "blocks.1"):  # the block keeps its own `scale`; its children are units inside it
+        assert {b, f"{b}.up", f"{b}.down"} <= set(units), units
+    for rank, res in enumerate(ranks):
+        mem = res["memory"]
+        _check_budget(mem, f"nested rank {rank}", 3)
+        assert 0 < mem["gathered_params_peak"] <= mem["gathered_params_budget"], (rank, mem)
+    problems = state_mismatches(ranks[0]["state"], nested_reference())
     assert not problems, "\n".join(problems[:10])
 
 
