@@ -31,7 +31,7 @@ class BufferPool:
         self.allocations = 0  # fresh allocations (not reuses): M_D means this stops growing after step 1
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes <= self.slab_bytes:
             free = self._free[self._device(device)]
             if free:

@@ -197,9 +197,9 @@ def bucket_elements(dtype: torch.dtype, trainable: bool, config: ZeroConfig) -> 
     """C_B in elements of a flat group of `dtype`: `reduce_bucket_size` bytes of the group in its compute dtype, and
     at stages 2/3 of its gradient bucket in the reduce dtype too (fp32 buckets of bf16 gradients hold half as many),
     so that no bucket the reducer takes exceeds C_B bytes."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if trainable and config.stage >= 2:
-        size = max(size, torch.empty((), dtype=config.reduce_torch_dtype(dtype)).element_size())
+        size = max(size, config.reduce_torch_dtype(dtype).itemsize)
     return max(1, config.reduce_bucket_size // size)
 
 

@@ -114,7 +114,7 @@ def largest_bucket(groups: List[FlatGroup], columns: Dict[int, List[Tuple[int, i
     for g in groups:
         for c0, c1 in columns.get(g.plan.index, ()):
             partition = g.plan.padded_numel // g.plan.shard_numel
-            out = max(out, partition * (c1 - c0) * torch.empty((), dtype=reduce_dtype(g.plan.dtype)).element_size())
+            out = max(out, partition * (c1 - c0) * reduce_dtype(g.plan.dtype).itemsize)
     return out
 
 
@@ -132,7 +132,7 @@ def reduction_columns(groups: List[FlatGroup], policy: GradientPolicy,
         plan = g.plan
         if not plan.trainable or not plan.shard_numel:
             continue
-        elements = max(1, bucket_bytes // torch.empty((), dtype=reduce_dtype(plan.dtype)).element_size())
+        elements = max(1, bucket_bytes // reduce_dtype(plan.dtype).itemsize)
         partition = plan.padded_numel // plan.shard_numel
         out[plan.index] = ([(0, plan.shard_numel)] if plan.padded_numel <= elements
                            else column_chunks(plan.shard_numel, partition, elements))
@@ -250,7 +250,7 @@ class Reducer:
 
     def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed bucket, once the reductions in flight have left room for it within the budget."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         while self.inflight and self.pool.live_bytes + nbytes > self.budget_bytes:
             self.inflight.pop(0).wait()
         return self.pool.take(numel, dtype, device, zero=True)
