@@ -356,3 +356,23 @@ def test_each_stage_is_one_gradient_policy_and_one_residency():
     assert [r.sharded for _, r in table.values()] == [False, False, False, True]
     with pytest.raises(ValueError, match="stage 4"):
         policies_for(4)
+
+
+def test_column_copy_places_every_element_of_a_parameter_once():
+    """_copy_columns against an element-by-element reference: parameters starting and ending mid-row, inside one
+    row, and spanning many rows, for every column chunk."""
+    from hf_zero.engine.reducer import _copy_columns
+    from hf_zero.engine.routes import column_chunks
+
+    p, s = 5, 7
+    for offset, n in [(0, 35), (3, 2), (4, 20), (9, 26), (6, 1), (13, 15)]:
+        grad = torch.arange(1.0, n + 1)
+        for c0, c1 in column_chunks(s, p, 10):
+            rows = torch.zeros(p, c1 - c0)
+            _copy_columns(rows, grad, offset, s, c0, c1)
+            want = torch.zeros(p, c1 - c0)
+            for i in range(n):
+                r, c = divmod(offset + i, s)
+                if c0 <= c < c1:
+                    want[r, c - c0] = grad[i]
+            assert torch.equal(rows, want), (offset, n, c0, c1)

@@ -98,6 +98,21 @@ class _GroupState:
         self.reduced = False  # stage 1: the owned range holds a reduced sum, the rest is stale
 
 
+def _copy_columns(rows: torch.Tensor, grad: torch.Tensor, offset: int, s: int, c0: int, c1: int) -> None:
+    """Copy into `rows` ([P, c1 - c0], a column chunk of a group seen as [P, S]) the part of a parameter's flat
+    gradient `grad`, which lies at [offset, offset + numel) of the group, that falls in columns c0..c1: its first
+    and last rows one by one, the full rows between them in one strided copy (at most three copies)."""
+    n = grad.numel()
+    first, last = offset // s, (offset + n - 1) // s
+    for r in {first, last}:
+        a, b = max(r * s + c0, offset), min(r * s + c1, offset + n)
+        if a < b:
+            rows[r, a - r * s - c0:b - r * s - c0].copy_(grad[a - offset:b - offset])
+    if last - first > 1:  # rows first+1 .. last-1 lie wholly inside the parameter
+        start = (first + 1) * s - offset
+        rows[first + 1:last].copy_(grad[start:start + (last - first - 1) * s].view(-1, s)[:, c0:c1])
+
+
 BUCKETS_ALIVE = 4  # buckets in flight at once (DeepSpeed ZeRO-3: one filling and two reducing)
 
 
@@ -267,12 +282,11 @@ class Reducer:
             width = c1 - c0
             bucket = self._take(p * width, st.reduce_dtype, g.device)
             rows = bucket.view(p, width)
-            for slot, grad in held:  # each rank's row: the part of [r*S + c0, r*S + c1) the slot covers
-                for r in range(max(0, slot.offset // s), min(p, -(-(slot.offset + slot.numel) // s))):
-                    a = max(r * s + c0, slot.offset)
-                    b = min(r * s + c1, slot.offset + slot.numel)
-                    if a < b:
-                        rows[r, a - r * s - c0:b - r * s - c0].copy_(grad[a - slot.offset:b - slot.offset])
+            for slot, grad in held:
+                if width == s:  # the whole group: the bucket is its flat layout
+                    bucket[slot.offset:slot.offset + slot.numel].copy_(grad)
+                else:
+                    _copy_columns(rows, grad, slot.offset, s, c0, c1)
             if st.predivide:
                 bucket.div_(self.world_size)
             owned = rows[g.lo // s]
