@@ -4,8 +4,10 @@ A pure function of the model's parameter shapes, dtypes and names, the world siz
 storage, so it runs on the meta device for any model size (the estimator uses it too).
 
 Layout: every unit (a repeated block such as ``GPT2Block``, plus one root unit for everything else) splits its
-parameters by kind (compute dtype, trainable) into flat groups. At stages 0-2 a group is also capped at the
-reduce bucket size (C_B: constant-size buckets); at stage 3 a group is a whole unit kind (one all-gather each).
+parameters by kind (compute dtype, trainable) into flat groups, each capped at the reduce bucket size (C_B:
+constant-size buckets, in the reduce dtype too at stages 2/3), so that a group is a gradient bucket at every stage;
+at stage 3 a unit is all-gathered as its groups. At stage 3 a unit larger than `max_live_parameters` is split into
+sub-module units (`split_units`).
 Each group is padded to a multiple of the partition size P (the world size; K under HSDP; 1 at stage 0) and
 partition rank r owns the contiguous range [r*S, (r+1)*S) with S = padded / P.
 """
