@@ -111,11 +111,14 @@ def sc_swapped(rank: int, world_size: int, stage: int, steps: int = 3) -> Dict[s
     model = _swapped()
     engine = shard_model(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
                          ZeroConfig(stage=stage, reduce_bucket_size=2048, units=["Sequential"]))
-    orders = [[st.position for st in engine.reducer.order]]  # before the first backward: the initial guess
+    arrivals: List[str] = []  # this rank's gradient arrival order in the first backward
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, name=name: arrivals.append(name))
+    orders = []
     for x, t in _swapped_batches(steps):
         loss = model(models.rank_slice(x, rank, world_size), models.rank_slice(t, rank, world_size), rank % 2 == 0)
         engine.backward(loss)
-        orders.append([st.position for st in engine.reducer.order])
+        orders.append([st.group.plan.index for st in engine.reducer.order])
         engine.clip_grad_norm_(1.0)
         engine.optimizer.step()
         engine.optimizer.zero_grad()
@@ -123,7 +126,8 @@ def sc_swapped(rank: int, world_size: int, stage: int, steps: int = 3) -> Dict[s
     mem = engine.memory_stats()
     engine.close()
     return {"state": {k: v.detach().clone() for k, v in sd.items()} if rank == 0 else None, "orders": orders,
-            "memory": mem}
+            "memory": mem, "arrivals": arrivals[:len(list(model.parameters()))],
+            "group_of": {s.name: g.index for g in engine.plan.groups for s in g.slots if g.trainable}}
 
 
 class NestedBlock(nn.Module):
@@ -253,10 +257,16 @@ def test_hsdp_and_hpz_buckets_stay_within_budget_and_training_is_plain(dist_resu
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_ranks_with_different_arrival_orders_agree_and_train_exactly(dist_results, world_size, stage):
     ranks = dist_results(world_size, f"swapped-s{stage}")
-    first = [r["orders"] for r in ranks]
-    assert all(o == first[0] for o in first), "every rank launches in the same order"
-    assert first[0][0] != first[0][1], "the order agreed after the first backward differs from the initial guess"
-    assert all(o == first[0][1] for o in first[0][1:]), "and stays"
+    assert ranks[0]["arrivals"] != ranks[1]["arrivals"], "the ranks' gradients arrive in different orders"
+    orders = [r["orders"] for r in ranks]
+    assert all(o == orders[0] for o in orders), "every rank launches in the same order, every step"
+    # that order is rank 0's: its groups in the order their last gradient arrived there in the first backward
+    group_of, done = ranks[0]["group_of"], {}
+    for name in ranks[0]["arrivals"]:
+        done.pop(group_of[name], None)
+        done[group_of[name]] = True
+    completed = list(done)
+    assert orders[0][0][:len(completed)] == completed, (orders[0][0], completed)
     for rank, res in enumerate(ranks):
         _check_budget(res["memory"], f"swapped stage {stage} rank {rank}", stage)
     problems = state_mismatches(ranks[0]["state"], swapped_reference(world_size))

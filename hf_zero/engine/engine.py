@@ -87,6 +87,7 @@ class ZeroEngine:
             reduce_dtype=config.reduce_torch_dtype, on_launch=self._on_group_launched,
             on_backward_end=self._on_backward_end, agree=self.comm.control.share, columns=columns,
         )
+        self.reducer.guess_order(self._registration_guess())
         self.gathered = GatheredBytes()
         self.gatherer: Optional[Gatherer] = self._build_gatherer() if self.policies[1].sharded else None
         # stage 3: model.state_dict() / save_pretrained() outside a gather is collective (the full weights to rank
@@ -258,6 +259,16 @@ class ZeroEngine:
                         mem["offloaded"] / 2**20)
 
     # ------------------------------------------------------------------ hooks from the reducer
+    def _registration_guess(self) -> List[int]:
+        """The first backward's launch order, before the ranks have seen one: a group completes when its parameter
+        used first in the forward gets its gradient, so groups by their earliest parameter in registration order,
+        latest first (the head before the final norm before the last layer, the embeddings last). The same on every
+        rank: it reads the model's structure only."""
+        position = {name: i for i, (name, _) in enumerate(self.model.named_parameters())}
+        plans = [g.plan for g in self.groups if g.plan.trainable]
+        first = {p.index: min(position.get(s.name, 0) for s in p.slots) for p in plans}
+        return [p.index for p in sorted(plans, key=lambda p: -first[p.index])]
+
     def _on_backward_start(self) -> None:
         """Stage 3, as a backward reaches a unit: until the ranks have agreed the reducer's order, guess it from the
         units' forward order, which every rank shares (their all-gathers had to match): the groups of the units in
