@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -21,3 +23,19 @@ def test_gpu_check_smoke_run_on_cpu():
         assert abs(row["loss"] - base) <= 1e-5 * abs(base), (name, row["loss"], base)
         assert row["tokens_per_s"] > 0
         assert (row["offloaded_bytes"] > 0) == ("offload" in name), (name, row["offloaded_bytes"])
+
+
+@pytest.mark.slow
+def test_gpu_memory_check_smoke_run_on_cpu(tmp_path):
+    """Smoke test of benchmarks/gpu_memory.py (issue #43's GPU check), on CPU with a tiny Llama: it runs to the end
+    and its JSON carries the dry run's peak, hf_zero's and plain torch's step times and the engine's budgets."""
+    out = tmp_path / "gpu_memory.json"
+    cmd = [sys.executable, "-m", "benchmarks.gpu_memory", "--device", "cpu", "--tiny", "--seq", "32", "--batch", "2",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    dry, mine, plain = data["rows"]
+    assert dry["dry_run_peak"] > 0 and mine["median_step_s"] > 0 and plain["median_step_s"] > 0
+    stats = mine["memory_stats"]
+    assert stats["comm_buffers_peak"] <= stats["comm_buffers_budget"]
