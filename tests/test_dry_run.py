@@ -234,6 +234,24 @@ def test_dry_run_ledger_is_the_papers_at_3_ranks(kind, stage):
     assert lower <= dry["peak"]["total"] <= upper
 
 
+@pytest.mark.parametrize("stage", (2, 3))
+def test_dry_run_second_step_reports_the_steady_state(stage):
+    """steps=2 reports the second step alone: once the ranks agreed the launch order, the reductions are the same
+    collectives (the paper's volumes on the padded groups, call for call, in another order), the gradient buckets
+    stay within their budget, and the step holds the Adam states the first step created (model states at their
+    formula from the start of the step on)."""
+    n, rank = 3, 2
+    with torch.device("meta"):
+        shapes = models.make_model("llama")
+    dry = dry_run(models._config("llama"), _config(stage), n, rank=rank, batch_size=BATCH, seq_len=SEQ,
+                  micro_batches=MICRO, trace=True, steps=2)
+    assert dry["steps"] == 2
+    assert Counter((kd, e) for kd, e, _, _ in dry["trace"] if kd != "control") == paper_calls(shapes, n, stage, MICRO)
+    m = dry["measured"]
+    assert 0 < m["comm_buffers_peak"] <= m["comm_buffers_budget"]
+    assert dry["peak"]["at_peak"].get("model", 0) + dry["peak"]["at_peak"].get("step", 0) >= m["model_states"]
+
+
 # ------------------------------------------------------------------------------------------ at cluster scale
 def test_dry_run_at_1024_ranks_of_a_billion_parameter_llama_matches_the_paper():
     """Stage 3 at N = 1024 (hosts of 8) for a Llama of ~1.3e9 parameters, bf16 with fp32 gradient accumulation:

@@ -416,6 +416,13 @@ class ZeroEngine:
         out["total"] = out["model_states"] + out["buffers"]
         return out
 
+    def reset_peak_memory_stats(self) -> None:
+        """Start memory_stats()' peaks (gradient buckets, gathered parameters, hpZ slices) from what is held now,
+        as torch.cuda.reset_peak_memory_stats() does for CUDA's."""
+        self.pool.peak_bytes = self.pool.live_bytes
+        self.gathered.peak = self.gathered.now
+        self.gathered.secondary_peak = self.gathered.secondary
+
     def _gathered_budget(self) -> int:
         """Stage 3: the most bytes of gathered parameters the gatherer allows itself: a prefetch only within
         `max_live_parameters` (elements, every gathered unit counted), and a unit needed now is gathered whatever

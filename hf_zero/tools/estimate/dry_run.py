@@ -96,7 +96,7 @@ def _fake_world(num_processes: int, rank: int) -> Iterator[None]:
 
 
 def dry_run(model: Any, config: ZeroConfig, num_processes: int, *, ranks_per_host: Optional[int] = None,
-            rank: int = 0, batch_size: int = 1, seq_len: int = 128, micro_batches: int = 1,
+            rank: int = 0, batch_size: int = 1, seq_len: int = 128, micro_batches: int = 1, steps: int = 1,
             max_grad_norm: Optional[float] = 1.0, gradient_checkpointing: bool = False,
             trace: bool = False, progress: bool = False) -> Dict[str, Any]:
     """Run one optimizer step of the real engine as rank `rank` of `num_processes` on fake tensors; return what
@@ -110,6 +110,8 @@ def dry_run(model: Any, config: ZeroConfig, num_processes: int, *, ranks_per_hos
         ranks_per_host: K, ranks per host (hosts of K consecutive ranks; default: one host of N).
         rank: which rank this process plays.
         batch_size, seq_len: the micro-batch of token ids; micro_batches: accumulation steps per optimizer step.
+        steps: optimizer steps to run; everything is reported for the last one (2: the steady state, after the
+            first backward has fixed the reducer's launch order, as DDP's first iteration fixes its buckets).
         max_grad_norm: clip to this norm (None: no clipping).
         gradient_checkpointing: Transformers' non-reentrant checkpointing on the model's layers.
         trace: also return the ledger's every call of the step, in order (`"trace"`: kind, elements, bytes, inter).
@@ -122,8 +124,8 @@ def dry_run(model: Any, config: ZeroConfig, num_processes: int, *, ranks_per_hos
     if num_processes % k:
         raise ValueError(f"ranks_per_host {k} does not divide num_processes {num_processes}: every host runs the "
                          f"same number of ranks")
-    if batch_size < 1 or seq_len < 1 or micro_batches < 1:
-        raise ValueError("batch_size, seq_len and micro_batches must be at least 1")
+    if batch_size < 1 or seq_len < 1 or micro_batches < 1 or steps < 1:
+        raise ValueError("batch_size, seq_len, micro_batches and steps must be at least 1")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ...engine.engine import shard_model
@@ -133,7 +135,7 @@ def dry_run(model: Any, config: ZeroConfig, num_processes: int, *, ranks_per_hos
     t = time.perf_counter()
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=3 + 2 * micro_batches, desc="dry run (meta, shard, forward/backward, step)", file=sys.stderr,
+    bar = tqdm(total=2 + steps * (1 + 2 * micro_batches), desc="dry run (meta, shard, forward/backward, step)", file=sys.stderr,
                leave=False, disable=not progress)
     meta = _meta_model(model)
     if gradient_checkpointing:
@@ -154,35 +156,38 @@ def dry_run(model: Any, config: ZeroConfig, num_processes: int, *, ranks_per_hos
             seconds["shard_model"] = time.perf_counter() - t
             bar.update()
             built = engine.memory_stats()
-            if trace:
-                engine.comm.ledger.trace = []
-            tracker.reset_peak()
-            t = time.perf_counter()
             vocab = fake.get_input_embeddings().num_embeddings
-            for m in range(micro_batches):
-                ids = torch.randint(0, vocab, (batch_size, seq_len))
-                context = engine.no_sync() if m < micro_batches - 1 else contextlib.nullcontext()
-                with context:
-                    tracker.phase = "forward"
-                    loss = fake(input_ids=ids, labels=ids).loss
-                    bar.update()
-                    tracker.phase = "backward"
-                    engine.backward(loss)
-                    del loss
-                    bar.update()
-            tracker.phase = "step"
-            if max_grad_norm is not None:
-                engine.clip_grad_norm_(max_grad_norm)
-            engine.optimizer.step()
-            engine.optimizer.zero_grad()
-            seconds["step"] = time.perf_counter() - t
-            bar.update()
+            for step in range(steps):  # the last step is the one reported
+                if trace:
+                    engine.comm.ledger.trace = []
+                engine.reset_comm_stats()
+                engine.reset_peak_memory_stats()
+                tracker.reset_peak()
+                t = time.perf_counter()
+                for m in range(micro_batches):
+                    ids = torch.randint(0, vocab, (batch_size, seq_len))
+                    context = engine.no_sync() if m < micro_batches - 1 else contextlib.nullcontext()
+                    with context:
+                        tracker.phase = "forward"
+                        loss = fake(input_ids=ids, labels=ids).loss
+                        bar.update()
+                        tracker.phase = "backward"
+                        engine.backward(loss)
+                        del loss
+                        bar.update()
+                tracker.phase = "step"
+                if max_grad_norm is not None:
+                    engine.clip_grad_norm_(max_grad_norm)
+                engine.optimizer.step()
+                engine.optimizer.zero_grad()
+                seconds["step"] = time.perf_counter() - t
+                bar.update()
         bar.close()
         report = _report(engine, config, num_processes, k, rank, micro_batches, built, tracker)
         if trace:
             report["trace"] = list(engine.comm.ledger.trace)
         engine.close()
-    report.update(batch_size=batch_size, seq_len=seq_len, micro_batches=micro_batches,
+    report.update(batch_size=batch_size, seq_len=seq_len, micro_batches=micro_batches, steps=steps,
                   gradient_checkpointing=gradient_checkpointing,
                   seconds={key: round(v, 3) for key, v in seconds.items()},
                   python_peak_rss_growth=_max_rss() - rss0, cannot_see=list(CANNOT_SEE))

@@ -27,6 +27,9 @@ def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--dry-run: any other ZeroConfig setting, e.g. --option quantized_weights=int8 "
                              "(repeatable)")
     parser.add_argument("--rank", type=int, default=0, help="--dry-run: the rank to play (default 0)")
+    parser.add_argument("--steps", type=int, default=1,
+                        help="--dry-run: optimizer steps to run, reporting the last (2: the steady state, once the "
+                             "first backward has fixed the gradient buckets' launch order)")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="--dry-run: Transformers' (non-reentrant) activation checkpointing on the layers")
 
@@ -63,7 +66,7 @@ def misplaced(args: argparse.Namespace) -> List[str]:
                  ("--quantized-frozen-weights", args.quantized_frozen_weights))
     else:
         given = (("--hierarchy", args.hierarchy != "none"), ("--option", bool(args.option)), ("--rank", args.rank != 0),
-                 ("--gradient-checkpointing", args.gradient_checkpointing))
+                 ("--gradient-checkpointing", args.gradient_checkpointing), ("--steps", args.steps != 1))
     return [flag for flag, present in given if present]
 
 
@@ -82,7 +85,7 @@ def run_dry(args: argparse.Namespace) -> int:
         try:
             reports.append(dry_run(model, config, args.num_processes, ranks_per_host=args.ranks_per_host,
                                    rank=args.rank, batch_size=args.batch_size or 1, seq_len=args.seq_len or 128,
-                                   micro_batches=args.micro_batches,
+                                   micro_batches=args.micro_batches, steps=args.steps,
                                    gradient_checkpointing=args.gradient_checkpointing,
                                    progress=not args.json and sys.stderr.isatty()))
         except (OSError, ValueError, ZeroConfigError) as exc:
