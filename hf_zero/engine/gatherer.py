@@ -235,6 +235,10 @@ class Gatherer:
             fits.append(u)
         return fits
 
+    def _over_budget(self) -> bool:
+        """Whether the gathered units hold more elements than max_live_parameters (never, without a budget)."""
+        return bool(self.max_live) and sum(u.numel for u in self.units if not u.state.sharded) > self.max_live
+
     # ------------------------------------------------------------ hooks
     def _make_pre(self, unit: Unit):
         def pre_forward(module: nn.Module, args: Any, kwargs: Dict[str, Any]):
@@ -286,6 +290,12 @@ class Gatherer:
                     t.register_hook(pre_backward)
                 if unit.reshard_after_forward and not unit.state.in_backward:
                     unit.release(keep=True)  # hpZ: the backward gathers inside the host
+                elif unit.reshard_after_forward and self._over_budget():
+                    # a recomputation (activation checkpointing) runs a whole checkpointed module's forward before
+                    # its backward: keeping every unit it recomputed would gather all of them at once, past
+                    # max_live_parameters (a layer split into sub-module units); the unit's backward hook gathers
+                    # it again
+                    unit.release()
             else:
                 unit.release()
             return None
