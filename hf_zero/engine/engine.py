@@ -406,7 +406,7 @@ class ZeroEngine:
         out["comm_buffers_budget"] = self.reducer.budget_bytes  # what the reducer keeps the peak to
         out["comm_buffer_allocations"] = self.pool.allocations  # M_D: stops growing after the first step
         out["gathered_params_peak"] = self.gathered.peak
-        out["gathered_params_budget"] = self._gathered_budget()
+        out["live_parameters_budget"] = self._live_budget()  # max_live_parameters, in bytes
         out["hpz_secondary"] = self.gathered.secondary  # hpZ's host-group slices kept for the backward
         out["hpz_secondary_peak"] = self.gathered.secondary_peak
         out["gathered_params"] = sum(g.gathered_bytes for g in self.groups)
@@ -423,18 +423,15 @@ class ZeroEngine:
         self.gathered.peak = self.gathered.now
         self.gathered.secondary_peak = self.gathered.secondary
 
-    def _gathered_budget(self) -> int:
-        """Stage 3: the most bytes of gathered parameters the gatherer allows itself: a prefetch only within
-        `max_live_parameters` (elements, every gathered unit counted), and a unit needed now is gathered whatever
-        is held, which is at most the units that never reshard, the unit just used (released once its gradients
-        are launched) and the one it needs now; 0 below stage 3."""
+    def _live_budget(self) -> int:
+        """Stage 3: `max_live_parameters` in bytes of the compute dtype (0: no budget, or below stage 3). No unit
+        is larger unless one module's own parameters are, and a prefetch never takes the gathered parameters past
+        it; a unit needed now (its forward, its backward) is gathered whatever is held, so the peak can exceed it by
+        the units in use at once (two MLP projections of a split layer whose backward branches meet)."""
         if self.gatherer is None:
             return 0
-        size = {u.index: sum(self.groups[i].full_bytes for i in u.groups) for u in self.plan.units}
-        resident = sum(size[u.index] for u in self.plan.units if not u.reshard_after_forward)
-        others = sorted((size[u.index] for u in self.plan.units if u.reshard_after_forward), reverse=True)[:2]
         element = max((g.full.element_size() for g in self.groups), default=0)
-        return max(self.config.max_live_parameters * element, resident + sum(others))
+        return self.config.max_live_parameters * element
 
     # ------------------------------------------------------------------ full parameters
     def gathered_parameters(self) -> contextlib.AbstractContextManager:

@@ -218,7 +218,7 @@ def _report(engine: Any, config: ZeroConfig, n: int, k: int, rank: int, micro_ba
         "padding_elements": plan.padding,
         "measured": {key: stats[key] for key in ("params", "grads", "master", "optimizer_states", "model_states",
                                                  "module_buffers", "comm_buffers_peak", "comm_buffers_budget",
-                                                 "gathered_params_peak", "gathered_params_budget",
+                                                 "gathered_params_peak", "live_parameters_budget",
                                                  "hpz_secondary_peak", "error_feedback")},
         "max_live_parameters": config.max_live_parameters if config.stage == 3 else None,
         "after_construction": {key: built[key] for key in ("model_states", "buffers")},

@@ -130,13 +130,13 @@ def render(reports: List[Dict[str, Any]]) -> str:
                      f"{100 * delta:+.2f}%", _g(r["peak"]["total"]), _g(r["peak"]["activations"])])
     lines.append(_table(header, rows))
     lines.append(f"working buffers per rank, {unit}: the step's peak beside the budget the engine keeps it to "
-                 "(gradient buckets: comm_buffers_budget; gathered stage-3 parameters: gathered_params_budget, "
-                 "from max_live_parameters):")
+                 "(gradient buckets: comm_buffers_budget; gathered stage-3 parameters: live_parameters_budget, "
+                 "max_live_parameters in bytes, which prefetches keep to):")
     rows = []
     for r in reports:
         m = r["measured"]
         label = f"stage {r['stage']}" + ("" if r["option"] == "none" else f" {r['option']}")
-        gathered = (f"{_g(m['gathered_params_peak'])} / {_g(m['gathered_params_budget'])}" if r["stage"] == 3
+        gathered = (f"{_g(m['gathered_params_peak'])} / {_g(m['live_parameters_budget'])}" if r["stage"] == 3
                     else "-")
         rows.append([label, f"{_g(m['comm_buffers_peak'])} / {_g(m['comm_buffers_budget'])}", gathered])
     lines.append(_table(["", "gradient buckets, peak / budget", "gathered parameters, peak / budget"], rows))
