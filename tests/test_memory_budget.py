@@ -120,19 +120,25 @@ def sc_swapped(rank: int, world_size: int, stage: int, steps: int = 3) -> Dict[s
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _p, name=name: arrivals.append(name))
     orders = []
+    out = _train(engine, rank, world_size, steps, lambda x, t: model(x, t, rank % 2 == 0),
+                 after_backward=lambda: orders.append([st.group.plan.index for st in engine.reducer.order]))
+    return {**out, "orders": orders, "arrivals": arrivals[:len(list(model.parameters()))],
+            "group_of": {s.name: g.index for g in engine.plan.groups for s in g.slots if g.trainable}}
+
+
+def _train(engine, rank: int, world_size: int, steps: int, loss_of, after_backward=lambda: None) -> Dict[str, Any]:
+    """`steps` steps of the rank's slices of _swapped_batches through `engine` (clip 1.0, AdamW); then rank 0's full
+    state and every rank's memory_stats. Closes the engine."""
     for x, t in _swapped_batches(steps):
-        loss = model(models.rank_slice(x, rank, world_size), models.rank_slice(t, rank, world_size), rank % 2 == 0)
-        engine.backward(loss)
-        orders.append([st.group.plan.index for st in engine.reducer.order])
+        engine.backward(loss_of(models.rank_slice(x, rank, world_size), models.rank_slice(t, rank, world_size)))
+        after_backward()
         engine.clip_grad_norm_(1.0)
         engine.optimizer.step()
         engine.optimizer.zero_grad()
     sd = engine.full_state_dict()
     mem = engine.memory_stats()
     engine.close()
-    return {"state": {k: v.detach().clone() for k, v in sd.items()} if rank == 0 else None, "orders": orders,
-            "memory": mem, "arrivals": arrivals[:len(list(model.parameters()))],
-            "group_of": {s.name: g.index for g in engine.plan.groups for s in g.slots if g.trainable}}
+    return {"state": {k: v.detach().clone() for k, v in sd.items()} if rank == 0 else None, "memory": mem}
 
 
 class NestedBlock(nn.Module):
@@ -189,16 +195,7 @@ def sc_nested(rank: int, world_size: int, steps: int = 3) -> Dict[str, Any]:
                          ZeroConfig(stage=3, units=["NestedBlock"], max_live_parameters=NESTED_BUDGET,
                                     reshard_after_forward=True))
     units = [u.name for u in engine.plan.units]
-    for x, t in _swapped_batches(steps):
-        engine.backward(model(models.rank_slice(x, rank, world_size), models.rank_slice(t, rank, world_size)))
-        engine.clip_grad_norm_(1.0)
-        engine.optimizer.step()
-        engine.optimizer.zero_grad()
-    sd = engine.full_state_dict()
-    mem = engine.memory_stats()
-    engine.close()
-    return {"state": {k: v.detach().clone() for k, v in sd.items()} if rank == 0 else None, "units": units,
-            "memory": mem}
+    return {**_train(engine, rank, world_size, steps, model), "units": units}
 
 
 def scenarios_for(world_size: int):
