@@ -259,6 +259,7 @@ def test_deepspeed_missing_rows_are_skipped_with_the_reason(tmp_path):
     assert not HAVE_MATPLOTLIB or png.stat().st_size > 0
 
 
+@pytest.mark.needs_extras
 def test_plot_is_a_png_of_the_declared_size(bench):
     matplotlib_image = pytest.importorskip("matplotlib.image", reason="--plot needs matplotlib")
     from hf_zero.tools.bench.plot import DPI, FIGSIZE

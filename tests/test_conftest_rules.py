@@ -1,4 +1,5 @@
-"""tests/conftest.py's rule: under HF_ZERO_REQUIRE_DEEPSPEED_TESTS=1 (CI) a `needs_deepspeed` test that skips, in its
+"""tests/conftest.py's rule (the same for `needs_extras` under HF_ZERO_REQUIRE_EXTRAS_TESTS=1, checked last):
+under HF_ZERO_REQUIRE_DEEPSPEED_TESTS=1 (CI) a `needs_deepspeed` test that skips, in its
 body or in a fixture, is a failure that keeps the skip's reason; the `needs_root` rule is its own variable's (unset
 here: its skip stays a skip, as a `needs_deepspeed` skip does without its variable), an unmarked skip stays a skip,
 and an expected failure is not touched.
@@ -39,6 +40,11 @@ def test_ds_skips_in_a_fixture(deepspeed):
 @pytest.mark.needs_deepspeed
 def test_ds_runs():
     pass
+
+
+@pytest.mark.needs_extras
+def test_extras_skips():
+    pytest.skip("pip install -e '.[notebook]': No module named 'nbclient'")
 
 
 @pytest.mark.needs_root
@@ -86,7 +92,19 @@ def test_a_needs_deepspeed_skip_fails_under_its_variable_and_nothing_else_change
         assert "needs DeepSpeed and skipped under HF_ZERO_REQUIRE_DEEPSPEED_TESTS=1" in message, message
     assert "No module named 'deepspeed' (in the body)" in body[1] and "(in a fixture)" in fixture[1]
     assert got == {"test_ds_runs": ("passed", ""),
+                   "test_extras_skips": ("skipped", "pip install -e '.[notebook]': No module named 'nbclient'"),
                    "test_root_skips": ("skipped", "needs root: not root"),
                    "test_unmarked_skips": ("skipped", "optional"),
                    "test_ds_expected_failure": ("skipped", "known")}, got
+
+
+def test_a_needs_extras_skip_fails_under_its_own_variable_only(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_ZERO_REQUIRE_")}
+    env.update(HF_ZERO_REQUIRE_EXTRAS_TESTS="1", PYTHONPATH=ROOT)
+    got = _outcomes(tmp_path, env)
+    kind, message = got.pop("test_extras_skips")
+    assert kind == "failure", (kind, message)
+    assert "needs the notebook / bench extras and skipped under HF_ZERO_REQUIRE_EXTRAS_TESTS=1" in message, message
+    assert "No module named 'nbclient'" in message, message
+    assert got["test_ds_skips_in_its_body"][0] == "skipped" and got["test_root_skips"][0] == "skipped", got
 

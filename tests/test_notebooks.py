@@ -5,7 +5,8 @@ with the small CI parameters below (environment variables its first cell reads).
 notebook's tests; so does a plot that is not both displayed (an image/png output) and saved (a PNG file). The
 numbers each notebook writes to ``summary.json`` are then checked against independent references: the paper's
 model-state formulas (hf_zero.tools.estimate.formulas), its 2Ψ / 3Ψ communication counts and the activation formula of Korthikanti
-et al. 2022. Needs the ``notebook`` extra (matplotlib, nbclient, nbformat, ipykernel); skipped without it.
+et al. 2022. Needs the ``notebook`` extra (matplotlib, nbclient, nbformat, ipykernel); skipped without it, except
+under HF_ZERO_REQUIRE_EXTRAS_TESTS=1 (CI), where that skip fails (`needs_extras`).
 """
 import json
 import math
@@ -19,6 +20,8 @@ import pytest
 from hf_zero.tools.estimate.activations import paper_layer_bytes
 from hf_zero.tools.estimate.formulas import comm_elements_per_step, model_state_bytes, recipe
 from hf_zero.tools.notebook import is_png
+
+pytestmark = pytest.mark.needs_extras
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
