@@ -231,6 +231,7 @@ def test_input_ending_early_writes_nothing(tmp_path):
     (["--prefetch", "-2"], "--prefetch", "integer >= 0"),
     (["--num-processes", "0"], "--num-processes", "integer >= 1"),
     (["--shard-group-size", "all"], "--shard-group-size", '"host"'),
+    (["--sequence-parallel-size", "0"], "--sequence-parallel-size", "integer >= 1"),
 ])
 def test_invalid_flag_values_exit_2_naming_flag_and_allowed_values(tmp_path, capsys, flags, named, allowed):
     acc, zero, paths = _paths(tmp_path)

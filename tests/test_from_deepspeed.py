@@ -120,6 +120,25 @@ def test_max_live_parameters_is_the_live_parameter_budget():
     _only(config, stage=3)
 
 
+def test_sequence_parallel_size_is_the_ulysses_group():
+    """DeepSpeed's top-level sequence_parallel_size (DeepSpeed-Ulysses: ranks per sequence-parallel group) is
+    hf_zero's option of that name, at any stage; 1 and "auto" keep the default (off); below 1 names the key."""
+    config, warning = _read({"zero_optimization": {"stage": 3}, "sequence_parallel_size": 2})
+    _only(config, stage=3, sequence_parallel_size=2)
+    assert "sequence_parallel_size" not in warning
+    config, warning = _read({"zero_optimization": {"stage": 1}, "sequence_parallel_size": 4.0})
+    _only(config, stage=1, sequence_parallel_size=4)
+    assert warning == ""
+    for value in (1, "auto"):
+        config, warning = _read({"zero_optimization": {"stage": 2}, "sequence_parallel_size": value})
+        _only(config, stage=2)
+        assert warning == ""
+    assert ZeroPlugin.from_deepspeed({"sequence_parallel_size": 2}).sequence_parallel_size == 2
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ZeroConfigError, match=r"sequence_parallel_size=\S+ must be a whole number >= 1"):
+            ZeroConfig.from_deepspeed({"sequence_parallel_size": bad})
+
+
 def test_zero_offload_tutorial_old_cpu_offload_flag():
     config, warning = _read(ZERO_OFFLOAD_TUTORIAL)
     _only(config, stage=2, offload_optimizer="cpu")

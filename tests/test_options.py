@@ -30,7 +30,8 @@ ZEROCONFIG_FIELDS = ["stage", "mixed_precision", "grad_accum_dtype", "reduce_dty
                      "debug_collectives", "initial_loss_scale", "loss_scale_growth_interval", "loss_scale_factor",
                      "min_loss_scale", "quantized_weights", "quantized_gradients", "quantized_frozen_weights",
                      "quantization_block_size", "quantized_error_feedback", "reshard_after_forward",
-                     "reshard_after_forward_modules", "state_dict_timeout_s", "max_live_parameters", "extra"]
+                     "reshard_after_forward_modules", "state_dict_timeout_s", "max_live_parameters",
+                     "sequence_parallel_size", "extra"]
 
 
 # ------------------------------------------------------------------------------------------------ the docs table
@@ -99,7 +100,8 @@ def test_zero_plugin_fields_and_yaml_keys_are_the_plugin_declarations(tmp_path):
                    loss_scale_factor=4.0, min_loss_scale=0.5, quantized_weights="int8", quantized_gradients="int4",
                    quantized_frozen_weights="int8", quantization_block_size=64, quantized_error_feedback=True,
                    reshard_after_forward=False, reshard_after_forward_modules={"GPT2Block": True, "model.layers.0": False},
-                   async_save=True, state_dict_timeout_s=30.0, max_live_parameters=12345)
+                   async_save=True, state_dict_timeout_s=30.0, max_live_parameters=12345,
+                   sequence_parallel_size=2)
     assert set(changed) == {o.name for o in PLUGIN} - {"shard_group_size"}  # excluded by hpz_partition_size
     plugin = ZeroPlugin(**changed)
     plugin.to_yaml(tmp_path / "hf_zero.yaml")
@@ -119,9 +121,10 @@ def test_hf_zero_config_has_a_flag_per_plugin_option_and_asks_in_the_declared_or
                                            "cpu_checkpointing", "reduce_bucket_size", "allgather_bucket_size",
                                            "prefetch"]
     args = parser.parse_args(["--stage", "3", "--units", "A, B", "--debug-collectives", "--hpz-partition-size", "HOST",
-                              "--reduce-bucket-size", "2.5e7", "--loss-scale-factor", "3"])
+                              "--reduce-bucket-size", "2.5e7", "--loss-scale-factor", "3",
+                              "--sequence-parallel-size", "4"])
     assert (args.stage, args.units, args.debug_collectives, args.hpz_partition_size, args.reduce_bucket_size,
-            args.loss_scale_factor) == (3, ["A", "B"], True, "host", 25_000_000, 3.0)
+            args.loss_scale_factor, args.sequence_parallel_size) == (3, ["A", "B"], True, "host", 25_000_000, 3.0, 4)
 
 
 def test_requirements_name_options_declared_before_them():

@@ -333,6 +333,9 @@ RULES: Tuple[Rule, ...] = (
     Rule((_ZERO + "stage3_max_live_parameters",), "`max_live_parameters`",
          'the same number of parameter elements; "auto": hf_zero\'s default (1e9, DeepSpeed\'s too)',
          _option("max_live_parameters", lambda r, k, v: _whole(r, k, v))),
+    Rule(("sequence_parallel_size",), "`sequence_parallel_size`",
+         'the same number of ranks per sequence-parallel group (DeepSpeed-Ulysses; 1: off); "auto": hf_zero\'s '
+         "default 1", _option("sequence_parallel_size", lambda r, k, v: _whole(r, k, v, 1))),
     Rule((_OFF_OPT + "device", _ZERO + "cpu_offload"), "`offload_optimizer`",
          "none/cpu: the same; nvme: cpu, named in the warning (no NVMe offload); cpu_offload (DeepSpeed's old flag) "
          "true: cpu", _offload("offload_optimizer", stage3_only=False)),
@@ -448,7 +451,7 @@ RULES: Tuple[Rule, ...] = (
     Rule((_ZERO + "zenflow",), "-", "named", _unsupported("ZenFlow is DeepSpeed's"), section=True),
     Rule(("activation_checkpointing.contiguous_memory_optimization",), "-", "named when true",
          _unsupported("hf_zero keeps each checkpoint as its own tensor")),
-    Rule(("tensor_parallel", "pipeline", "sequence_parallel_size", "compression_training", "data_efficiency",
+    Rule(("tensor_parallel", "pipeline", "compression_training", "data_efficiency",
           "curriculum_learning", "elasticity", "autotuning", "sparse_attention", "msamp", "fp8", "moe", "eigenvalue",
           "progressive_layer_drop", "graph_harvesting"), "-",
          "other DeepSpeed features: named",

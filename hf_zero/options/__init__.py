@@ -267,6 +267,10 @@ OPTIONS: Tuple[Option, ...] = (
            "gathered at once is this budget or the largest single module's own parameters; a unit is prefetched only "
            "when every gathered parameter, the prefetched unit's included, stays within it. DeepSpeed's "
            "stage3_max_live_parameters; 0: no budget."),
+    Option("sequence_parallel_size", 1, Integer(1, "ranks per sequence-parallel group; 1: off"),
+           "Ulysses sequence parallelism: ranks per sequence-parallel group (sp). The N ranks form N/sp data-parallel "
+           "replicas; each sp group splits every sequence across its ranks and all-to-alls attention heads; ZeRO "
+           "still partitions over all N ranks. 1 = off."),
 )
 
 BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
