@@ -13,11 +13,14 @@
   (nested where a module keeps parameters of its own), with and without activation checkpointing: no layer is
   ever gathered whole (`gathered_params_peak` below one layer's bytes) and training is exact.
 - Pure logic, no process: column chunks cover a group exactly once; the unit split's pieces fit the budget (or are
-  one module); the slab pool's accounting.
+  one module); the slab pool's accounting; each stage is one gradient policy and one residency, and no engine file
+  but policies.py branches on the stage (read from the source with `ast`).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import ast
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -370,8 +373,64 @@ def test_each_stage_is_one_gradient_policy_and_one_residency():
     assert [g.full_accumulator for g, _ in table.values()] == [True, True, False, False]
     assert [g.every_backward for g, _ in table.values()] == [False, False, True, True]
     assert [r.sharded for _, r in table.values()] == [False, False, False, True]
+    # stage 0 owns everything on every rank (P = 1); only stages 2/3 reduce in buckets of the reduce dtype
+    assert [g.partitions for g, _ in table.values()] == [False, True, True, True]
+    assert [g.reduces_in_buckets for g, _ in table.values()] == [False, False, True, True]
     with pytest.raises(ValueError, match="stage 4"):
         policies_for(4)
+
+
+ENGINE = Path(__file__).resolve().parents[1] / "hf_zero" / "engine"
+
+
+def _stage_branches(source: str) -> List[Tuple[int, str]]:
+    """(line, code) of each place `source` decides on a stage: a comparison, a condition (if, ternary, while,
+    assert, comprehension filter, match) or an index that reads an attribute or name `stage`. Reading the stage to
+    ask `policies_for(...)`, or to print it, is no branch."""
+    tree = ast.parse(source)
+
+    def reads_stage(node: ast.AST) -> bool:
+        called = isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None))
+        if called == "policies_for":
+            return False  # the one way to turn a stage into behaviour
+        if isinstance(node, ast.Attribute) and node.attr == "stage":
+            return True
+        if isinstance(node, ast.Name) and node.id == "stage":
+            return True
+        return any(reads_stage(child) for child in ast.iter_child_nodes(node))
+
+    decided: List[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            decided.append(node)
+        elif isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+            decided.append(node.test)
+        elif isinstance(node, ast.comprehension):
+            decided.extend(node.ifs)
+        elif isinstance(node, ast.Subscript):
+            decided.append(node.slice)
+        elif isinstance(node, ast.Match):
+            decided.append(node.subject)
+    found = {(n.lineno, ast.get_source_segment(source, n)) for n in decided if reads_stage(n)}
+    return sorted(found)
+
+
+def test_the_stage_branches_in_policies_only():
+    """The stage -> behaviour map lives in policies.py: every other engine file asks `policies_for` (the planner, the
+    topology, the reducer, the buffers, ...), so that a stage's meaning cannot drift between files. The checker
+    itself is shown to flag each kind of branch and to pass a label or a `policies_for` call."""
+    for branch in ("if config.stage == 3:\n    pass", "x = 1 if self.stage else 2", "y = (a, b)[cfg.stage]",
+                   "assert plan.stage >= 2", "z = [g for g in gs if g.stage != 0]", "while stage < 3:\n    pass",
+                   "if trainable and not plan.stage:\n    pass", "match config.stage:\n    case 3:\n        pass"):
+        assert _stage_branches(branch), branch
+    for fine in ("g, r = policies_for(config.stage)", "if policies_for(self.stage)[1].sharded:\n    pass",
+                 "log.info('stage %d', config.stage)", "s = f'stage {self.stage}'", "stage: int = 3"):
+        assert not _stage_branches(fine), fine
+    files = sorted(f for f in ENGINE.rglob("*.py") if f.name != "policies.py")
+    assert {"planning.py", "topology.py", "engine.py", "reducer.py"} <= {f.name for f in files}
+    branches = [f"{f.relative_to(ENGINE)}:{line}: {code}" for f in files
+                for line, code in _stage_branches(f.read_text(encoding="utf-8"))]
+    assert not branches, "ask policies_for(stage) instead of the stage:\n" + "\n".join(branches)
 
 
 def test_column_copy_places_every_element_of_a_parameter_once():

@@ -10,6 +10,7 @@ at stage 3 a unit is all-gathered as its groups. At stage 3 a unit larger than `
 sub-module units (`split_units`).
 Each group is padded to a multiple of the partition size P (the world size; K under HSDP; 1 at stage 0) and
 partition rank r owns the contiguous range [r*S, (r+1)*S) with S = padded / P.
+Which of these a stage does is asked of its policies (policies.py), never of the stage itself.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from ..config import ZeroConfig, ZeroConfigError
+from .policies import GradientPolicy, Residency, policies_for
 
 
 @dataclass(frozen=True)
@@ -74,9 +76,14 @@ class ShardPlan:
 
     world_size: int
     partition_size: int
-    stage: int
+    stage: int  # a label (logs, the estimator); behaviour asks `policies`
     units: List[UnitPlan]
     groups: List[GroupPlan]
+
+    @property
+    def policies(self) -> Tuple[GradientPolicy, Residency]:
+        """The stage's gradient policy and parameter residency (policies.py)."""
+        return policies_for(self.stage)
 
     @property
     def num_trainable(self) -> int:
@@ -94,8 +101,8 @@ class ShardPlan:
     def resident_groups(self) -> List[int]:
         """Stage 3: the groups of the units that do not reshard after forward (the root, and others by the
         reshard_after_forward policy), gathered once per micro-batch instead of twice (the `resident` of the
-        estimator's formulas); none below stage 3."""
-        if self.stage != 3:
+        estimator's formulas); none while the parameters are replicated (stages 0-2)."""
+        if not self.policies[1].sharded:
             return []
         return [i for u in self.units if not u.reshard_after_forward for i in u.groups]
 
@@ -200,7 +207,7 @@ def bucket_elements(dtype: torch.dtype, trainable: bool, config: ZeroConfig) -> 
     at stages 2/3 of its gradient bucket in the reduce dtype too (fp32 buckets of bf16 gradients hold half as many),
     so that no bucket the reducer takes exceeds C_B bytes."""
     size = dtype.itemsize
-    if trainable and config.stage >= 2:
+    if trainable and policies_for(config.stage)[0].reduces_in_buckets:
         size = max(size, config.reduce_torch_dtype(dtype).itemsize)
     return max(1, config.reduce_bucket_size // size)
 
@@ -220,8 +227,9 @@ def plan_model(model: nn.Module, world_size: int, config: ZeroConfig,
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if partition_size is not None and (partition_size < 1 or world_size % partition_size):
         raise ValueError(f"partition_size={partition_size} must divide world_size={world_size}")
+    gradients, residency = policies_for(config.stage)
     unit_modules = find_unit_modules(model, config.units)
-    if config.stage == 3:
+    if residency.sharded:  # units are gathered: the live-parameter budget bounds what is gathered at once
         unit_modules = split_units(model, unit_modules, config.max_live_parameters)
     unit_index = {n: i + 1 for i, (n, _) in enumerate(unit_modules)}
     units = [UnitPlan(0, "", type(model).__name__)] + [
@@ -234,7 +242,7 @@ def plan_model(model: nn.Module, world_size: int, config: ZeroConfig,
         params.setdefault(id(p), (p, []))[1].append(name)
 
     reshard_policy(units, config)
-    partition = 1 if config.stage == 0 else (partition_size or world_size)
+    partition = (partition_size or world_size) if gradients.partitions else 1
     # Bucket cap in elements, per compute dtype (C_B): a group is a reduction bucket at every stage, reduce-scattered
     # as soon as its gradients have arrived; at stage 3 a unit is gathered as its groups.
     groups: List[GroupPlan] = []

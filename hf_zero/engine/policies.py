@@ -1,6 +1,7 @@
 """What a ZeRO stage means, decided once: the gradient policy and the parameter residency.
 
-The stage is read here and nowhere else in the reducer and the flat buffers; they ask the policies instead.
+The stage is read here and nowhere else in the engine: the planner, the topology, the reducer, the flat buffers,
+the optimizer and the state load ask the policies instead (tests/test_memory_budget.py checks the engine's source).
 
 - `GradientPolicy`: how a rank's gradients become the averaged sum over ranks of its owned range.
   - stage 0 (`ALL_REDUCE`): accumulate at full size across micro-batches, all-reduce the full group on a
@@ -33,6 +34,20 @@ class GradientPolicy:
         """The owned range holds a sum over ranks that the step divides (stage 0 divides as each all-reduce ends)."""
         return self.scatters
 
+    @property
+    def partitions(self) -> bool:
+        """Each flat group is split over the partition's P ranks, each owning (and stepping) one range of it, which
+        is why the sum goes to its owners; stage 0 owns everything on every rank (P = 1, so HSDP has nothing to
+        split)."""
+        return self.scatters
+
+    @property
+    def reduces_in_buckets(self) -> bool:
+        """Gradients are reduce-scattered in buckets of the reduce dtype (stages 2/3), which therefore also cap a flat
+        group's size and are what qgZ quantizes; a full-size accumulator (stages 0/1) is reduced in place, in its own
+        dtype."""
+        return not self.full_accumulator
+
 
 ALL_REDUCE = GradientPolicy("all-reduce at full size", full_accumulator=True, scatters=False, every_backward=False)
 REDUCE_SCATTER_ONCE = GradientPolicy("accumulate, then reduce-scatter once", full_accumulator=True, scatters=True,
@@ -54,7 +69,7 @@ SHARDED = Residency("sharded", sharded=True)
 
 
 def policies_for(stage: int) -> Tuple[GradientPolicy, Residency]:
-    """The one place a ZeRO stage is turned into behaviour for the reducer and the flat buffers."""
+    """The one place a ZeRO stage is turned into behaviour (the gradient policy, the parameter residency)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage {stage!r}: expected 0, 1, 2 or 3")
     gradients = (ALL_REDUCE, REDUCE_SCATTER_ONCE, REDUCE_SCATTER_PER_BUCKET, REDUCE_SCATTER_PER_BUCKET)[stage]

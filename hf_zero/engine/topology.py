@@ -14,7 +14,9 @@ Every group is made by every rank in the same order (torch.distributed.new_group
 Each Comm learns whether its group spans hosts from the hostnames, gathered once, which books the ledger's
 inter-host column, and puts its collectives on the wire the way `ZeroConfig.collectives` says
 (engine/collectives/). The routes over the groups (plain, HSDP's replicated reduce, hpZ's host-group gather) are
-chosen here too, once: `reduce_route`, `gather_route`.
+chosen here too, once: `reduce_route`, `gather_route`. Which groups a stage needs is asked of its policies
+(policies.py): HSDP splits a partition (none at stage 0), qwZ gathers sharded parameters (stage 3), qgZ quantizes
+per-bucket reduce-scatters (stages 2/3).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from ..config import ZeroConfig, ZeroConfigError
 from ..options import bits
 from .comm import Comm, Ledger, Quantization
+from .policies import GradientPolicy, Residency, policies_for
 from .routes import ExactSlots, HostGather, HostsReduce, PartitionGather, ReduceRoute, ReplicatedReduce
 
 if TYPE_CHECKING:
@@ -158,6 +161,8 @@ def _blocks(comm: Comm, k: int, config: ZeroConfig, ledger: Ledger, by_host: boo
 
 def build_topology(group: Optional[dist.ProcessGroup], config: ZeroConfig) -> Topology:
     """The engine's groups for `config` over `group` (default: the world); K is checked on every rank alike."""
+    policies = policies_for(config.stage)
+    gradients = policies[0]
     ledger = Ledger()
     world = Comm(group, debug=config.debug_collectives, ledger=ledger, collectives=config.collectives)
     hosts, local_sizes = world.control.hosts()  # one all_gather_object at start
@@ -166,7 +171,7 @@ def build_topology(group: Optional[dist.ProcessGroup], config: ZeroConfig) -> To
     hpz_name = "hpz_partition_size" if config.hpz_partition_size is not None else "reshard_after_forward"
     for name, kind, value in (("shard_group_size", "hsdp", config.shard_group_size),
                               (hpz_name, "hpz", config.hpz_size)):
-        if value is None or (kind == "hsdp" and config.stage == 0):
+        if value is None or (kind == "hsdp" and not gradients.partitions):  # stage 0: no partition to split
             continue
         k = _resolve(name, value, n, hosts, local_sizes)
         if k in (1, n):
@@ -185,7 +190,7 @@ def build_topology(group: Optional[dist.ProcessGroup], config: ZeroConfig) -> To
         if comm is not None:
             comm.spans_hosts = len({hosts[world.global_ranks.index(r)] for r in comm.global_ranks}) > 1
     topo = Topology(world, partition, replicas, secondary, hosts, option, k)
-    _quantize(topo, config, local_sizes)
+    _quantize(topo, config, local_sizes, policies)
     spanning = [c for c in (partition if option == "hsdp" else None, secondary) if c is not None and c.spans_hosts]
     if spanning and world.rank == 0:
         logger.warning("hf_zero: %s: a group of %d ranks spans hosts, so its all-gathers cross the network; "
@@ -193,18 +198,21 @@ def build_topology(group: Optional[dist.ProcessGroup], config: ZeroConfig) -> To
     return topo
 
 
-def _quantize(topo: Topology, config: ZeroConfig, local_sizes: List[Optional[int]]) -> None:
-    """ZeRO++: the partition group's quantized twins for the stage-3 weight all-gathers (qwZ) and the gradient
-    reduce-scatters (qgZ; in two hops when the partition spans hosts of K > 1 ranks), and the one that gathers
-    quantized frozen shards. A one-rank partition sends nothing, so qwZ and qgZ quantize nothing there."""
+def _quantize(topo: Topology, config: ZeroConfig, local_sizes: List[Optional[int]],
+              policies: Tuple[GradientPolicy, Residency]) -> None:
+    """ZeRO++: the partition group's quantized twins for the weight all-gathers of sharded parameters (qwZ) and the
+    per-bucket gradient reduce-scatters (qgZ; in two hops when the partition spans hosts of K > 1 ranks), and the
+    one that gathers quantized frozen shards. A one-rank partition sends nothing, so qwZ and qgZ quantize nothing
+    there. `policies`: the stage's (gradient policy, residency)."""
+    gradients, residency = policies
     block = config.quantization_block_size
-    if config.quantized_frozen_weights != "none" and config.stage == 3:  # the shards are codes: even on one rank
+    if config.quantized_frozen_weights != "none" and residency.sharded:  # the shards are codes: even on one rank
         topo.frozen = topo.partition.sibling(Quantization(bits(config.quantized_frozen_weights), block_size=block))
     if topo.partition.world_size == 1:
         return
-    if config.quantized_weights != "none" and config.stage == 3:
+    if config.quantized_weights != "none" and residency.sharded:
         topo.weights = topo.partition.sibling(Quantization(bits(config.quantized_weights), block_size=block))
-    if config.quantized_gradients == "none" or config.stage < 2:
+    if config.quantized_gradients == "none" or not gradients.reduces_in_buckets:  # an accumulator is sent exact
         return
     quantized = Quantization(gradients_bits=bits(config.quantized_gradients), block_size=block,
                              error_feedback=config.quantized_error_feedback)
