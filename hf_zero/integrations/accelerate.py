@@ -32,9 +32,11 @@ from ..checkpoint import export_pretrained, push_to_hub, read_manifest, save_che
 from ..checkpoint.pickles import UntrustedPickleError, load_without_code  # noqa: F401  (re-exported)
 from ..engine import ZeroEngine, ZeroOptimizer, enable_activation_checkpointing, shard_model
 from ..engine.exit import close_at_exit
+from ..engine.sequence import SequenceGroups
 from ._accelerate_private import Registered, is_prepared
 from .load_state import load_state as load_state_flow
 from .plugin import ZeroPlugin
+from .sequence_parallel import enable_sequence_parallel
 
 logger = logging.getLogger("hf_zero")
 
@@ -112,6 +114,7 @@ class HfZeroAccelerator(Accelerator):
         close_at_exit()
         self.zero_engines: List[ZeroEngine] = []
         self._pending_model: Optional[nn.Module] = None
+        self.sequence_groups: SequenceGroups = self._sequence_groups()
         if self.is_main_process:
             logger.info("hf_zero: %s, mixed precision %s, %d processes (%s)", self.zero_plugin, mixed_precision,
                         self.num_processes, self.distributed_type)
@@ -133,12 +136,33 @@ class HfZeroAccelerator(Accelerator):
         if self.zero_engines:
             raise RuntimeError("HfZeroAccelerator shards one model per Accelerator (as DeepSpeed does)")
         model_parallel, data_parallel = self._parallel_groups(model)
+        if self.sequence_groups.size > 1:
+            enable_sequence_parallel(model, self.sequence_groups)
         if self.zero_plugin.activation_checkpointing != "off" or self.zero_plugin.cpu_checkpointing:
             enable_activation_checkpointing(model, self.zero_plugin.activation_checkpointing,
                                             self.zero_plugin.cpu_checkpointing, model_parallel)
         engine = shard_model(model, optimizer, self.zero_config, process_group=data_parallel, device=self.device)
         self.zero_engines.append(engine)
         return engine
+
+    def _sequence_groups(self) -> SequenceGroups:
+        """The sp groups of `sequence_parallel_size`, or of Accelerate's `ParallelismConfig(sp_size=...)`."""
+        size = self.zero_config.sequence_parallel_size
+        pc = self.parallelism_config
+        if pc is not None:
+            if pc.cp_size > 1:
+                raise ValueError(f"ParallelismConfig(cp_size={pc.cp_size}) is FSDP2's ring attention; hf_zero splits "
+                                 f"sequences with Ulysses: use sp_size (or sequence_parallel_size) instead")
+            if pc.sp_size > 1 and size not in (1, pc.sp_size):
+                raise ValueError(f"ParallelismConfig(sp_size={pc.sp_size}) and the ZeroPlugin's "
+                                 f"sequence_parallel_size={size} disagree: give one of them")
+            if pc.sp_size > 1 and pc.tp_size > 1:
+                raise ValueError("sequence parallelism with tensor parallelism is not supported by hf_zero: choose "
+                                 "sp_size or tp_size")
+            size = max(size, pc.sp_size)
+        if size > 1:
+            self.zero_config.sequence_parallel_size = size
+        return SequenceGroups.build(size)
 
     def _parallel_groups(self, model: nn.Module) -> "tuple[Optional[Any], Optional[Any]]":
         """(model-parallel group for P_a, data-parallel group ZeRO shards over): the plugin's, else the "tp" and
@@ -200,6 +224,29 @@ class HfZeroAccelerator(Accelerator):
             self._pending_model = None
             optimizer = engine.optimizer
         return super().prepare_optimizer(optimizer, device_placement=False)
+
+    def prepare_data_loader(self, data_loader: Any, device_placement: Optional[bool] = None,
+                            slice_fn_for_dispatch: Any = None) -> Any:
+        """Under sequence parallelism each data-parallel replica (its sp ranks together) reads distinct samples and
+        its sp ranks the same batch, which the model cuts along the sequence; otherwise Accelerate's own."""
+        groups = self.sequence_groups
+        if groups.size == 1 or getattr(data_loader, "_is_accelerate_prepared", False):
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        from accelerate.data_loader import prepare_data_loader
+
+        if self.dispatch_batches:
+            raise ValueError("dispatch_batches=True sends rank 0's batches to every rank, and under sequence "
+                             "parallelism the sp ranks of a replica must read the same batch: leave dispatch_batches "
+                             "unset (or False)")
+        prepared = prepare_data_loader(
+            data_loader, self.device, num_processes=groups.data_parallel_size,
+            process_index=groups.data_parallel_rank, split_batches=self.split_batches,
+            put_on_device=self.device_placement if device_placement is None else device_placement,
+            rng_types=self.rng_types.copy(), dispatch_batches=False, even_batches=self.even_batches,
+            use_seedable_sampler=self.use_seedable_sampler, data_seed=self.dataloader_config.data_seed,
+            non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader)
+        Registered(self).dataloaders.append(prepared)
+        return prepared
 
     # ---------------------------------------------------------------- training
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
