@@ -31,7 +31,7 @@ ZEROCONFIG_FIELDS = ["stage", "mixed_precision", "grad_accum_dtype", "reduce_dty
                      "min_loss_scale", "quantized_weights", "quantized_gradients", "quantized_frozen_weights",
                      "quantization_block_size", "quantized_error_feedback", "reshard_after_forward",
                      "reshard_after_forward_modules", "state_dict_timeout_s", "max_live_parameters",
-                     "sequence_parallel_size", "extra"]
+                     "sequence_parallel_size", "tiled_loss_tokens", "tiled_mlp_tokens", "extra"]
 
 
 # ------------------------------------------------------------------------------------------------ the docs table
@@ -101,7 +101,7 @@ def test_zero_plugin_fields_and_yaml_keys_are_the_plugin_declarations(tmp_path):
                    quantized_frozen_weights="int8", quantization_block_size=64, quantized_error_feedback=True,
                    reshard_after_forward=False, reshard_after_forward_modules={"GPT2Block": True, "model.layers.0": False},
                    async_save=True, state_dict_timeout_s=30.0, max_live_parameters=12345,
-                   sequence_parallel_size=2)
+                   sequence_parallel_size=2, tiled_loss_tokens=512, tiled_mlp_tokens=1024)
     assert set(changed) == {o.name for o in PLUGIN} - {"shard_group_size"}  # excluded by hpz_partition_size
     plugin = ZeroPlugin(**changed)
     plugin.to_yaml(tmp_path / "hf_zero.yaml")

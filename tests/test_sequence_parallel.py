@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism (issue #44): HfZeroAccelerator with sequence_parallel_size trains exactly as plain
 single-process training on the data-parallel replicas' full sequences: the loss every micro-batch prints (on every
 sp rank: the whole sequence's) and the final weights, at stages 0-3, with accumulation and clipping, with padding,
-packed documents, GQA (KV heads fewer than sp ranks), tied and untied heads; and the gradient norm every step
+packed documents, GQA (KV heads fewer than sp ranks), tied and untied heads, the tiled loss and MLP (with and
+without sp, with activation checkpoints in memory and on the CPU, on one rank too); and the gradient norm every step
 (clip_grad_norm_'s), which AdamW and clipping alone would not check: both forgive a gradient off by a constant.
 
 The workers run under torchrun (a port the OS hands out), all cases of one world size in one launch
@@ -21,14 +22,23 @@ import sp_cases
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
+TILES = {"tiled_loss_tokens": 5, "tiled_mlp_tokens": 3}  # tiles that do not divide the chunks: a remainder tile
 CASES = {
+    1: [dict(name="one_rank_tiled_cpu_checkpoints", kind="llama_kv2", stage=3, sp=1, data="padded",
+             plugin=dict(TILES, activation_checkpointing="on", cpu_checkpointing=True))],
     2: [dict(name=f"stage{s}_{data}", kind="llama_kv2", stage=s, sp=2, data=data)
         for s, data in ((0, "padded"), (1, "plain"), (2, "padded"), (3, "padded"))]
     + [dict(name="stage1_packed", kind="llama_kv2", stage=1, sp=2, data="packed"),
-       dict(name="stage3_gpt2", kind="gpt2", stage=3, sp=2, data="plain")],
+       dict(name="stage3_gpt2", kind="gpt2", stage=3, sp=2, data="plain"),
+       dict(name="stage3_tiled_checkpointed", kind="llama_kv2", stage=3, sp=2, data="padded",
+            plugin=dict(TILES, activation_checkpointing="on")),
+       dict(name="stage2_gpt2_tiled_cpu_checkpoints", kind="gpt2", stage=2, sp=2, data="packed",
+            plugin=dict(TILES, activation_checkpointing="on", cpu_checkpointing=True)),
+       dict(name="dp2_tiled_no_sp", kind="llama_kv2", stage=1, sp=1, data="padded", plugin=TILES)],
     4: [dict(name="dp2_sp2_stage2", kind="llama_kv2", stage=2, sp=2, data="padded"),
         dict(name="sp4_kv2_stage3", kind="llama_kv2", stage=3, sp=4, data="plain"),
-        dict(name="sp4_kv1_stage1", kind="llama_kv1", stage=1, sp=4, data="packed")],
+        dict(name="sp4_kv1_stage1", kind="llama_kv1", stage=1, sp=4, data="packed"),
+        dict(name="dp2_sp2_stage3_tiled", kind="llama_kv2", stage=3, sp=2, data="padded", plugin=TILES)],
 }
 
 
@@ -47,8 +57,8 @@ def launched(tmp_path_factory):
     def launch(world):
         if world not in done:
             out = tmp_path_factory.mktemp(f"sp_w{world}")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-                   os.path.join(HERE, "scripts", "sp_train.py"), str(out), json.dumps(CASES[world])]
+            worker = [os.path.join(HERE, "scripts", "sp_train.py"), str(out), json.dumps(CASES[world])]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)] + worker
             res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900, cwd=str(out))
             assert res.returncode == 0, f"{' '.join(cmd[:6])} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
             done[world] = out

@@ -36,7 +36,7 @@ from ..engine.sequence import SequenceGroups
 from ._accelerate_private import Registered, is_prepared
 from .load_state import load_state as load_state_flow
 from .plugin import ZeroPlugin
-from .sequence_parallel import enable_sequence_parallel
+from .sequence_parallel import enable_long_sequences
 
 logger = logging.getLogger("hf_zero")
 
@@ -136,8 +136,9 @@ class HfZeroAccelerator(Accelerator):
         if self.zero_engines:
             raise RuntimeError("HfZeroAccelerator shards one model per Accelerator (as DeepSpeed does)")
         model_parallel, data_parallel = self._parallel_groups(model)
-        if self.sequence_groups.size > 1:
-            enable_sequence_parallel(model, self.sequence_groups)
+        config = self.zero_config
+        if self.sequence_groups.size > 1 or config.tiled_loss_tokens or config.tiled_mlp_tokens:
+            enable_long_sequences(model, self.sequence_groups, config.tiled_loss_tokens, config.tiled_mlp_tokens)
         if self.zero_plugin.activation_checkpointing != "off" or self.zero_plugin.cpu_checkpointing:
             enable_activation_checkpointing(model, self.zero_plugin.activation_checkpointing,
                                             self.zero_plugin.cpu_checkpointing, model_parallel)

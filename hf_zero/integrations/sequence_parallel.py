@@ -1,4 +1,5 @@
-"""Ulysses sequence parallelism in a Transformers causal LM, through Transformers' own extension points only.
+"""Long sequences in a Transformers causal LM (Ulysses sequence parallelism, tiled loss, tiled MLP), through
+Transformers' own extension points and torch's hooks only.
 
 - attention: the model's kernel (sdpa, flash, flex) is registered again under "hf_zero_ulysses_<kernel>" in
   Transformers' AttentionInterface, wrapped in the all-to-alls of engine/sequence/attention.py, with the kernel's
@@ -7,19 +8,22 @@
   global position ids; engine/sequence/batch.py) and passes the whole sequence's facts down as the keyword argument
   "hf_zero_sequence", which Transformers hands to every attention call and to the loss function.
 - loss: the model's `loss_function` (the property Transformers lets a model set) returns the whole sequence's loss
-  (engine/sequence/loss.py).
+  (engine/sequence/loss.py). Tiled, the forward is given logits_to_keep=1 (the head runs on the last position), a
+  forward hook on the base model keeps its last hidden states, and the loss runs the head over them tile by tile.
+- MLP tiles: forward hooks on each module named "mlp" (engine/sequence/tiled.py).
 
 A forward with a cache (generation) is not cut: every rank runs it whole, with the kernel and mask it had.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ..engine.sequence import SequenceGroups, sequence_parallel_loss, shard_inputs, ulysses_attention
+from ..engine.sequence import SequenceGroups, TiledMLP, sequence_parallel_loss, shard_inputs, ulysses_attention
 
 logger = logging.getLogger("hf_zero")
 
@@ -65,11 +69,12 @@ def register_attention(kernel_name: str) -> str:
 
 
 class SequenceParallelLoss:
-    """The model's loss function under sequence parallelism: the whole sequence's loss when the forward was cut
-    (it carries "hf_zero_sequence"), the model's own loss function otherwise."""
+    """The model's loss function once `enable_long_sequences` ran: the whole sequence's loss when the forward was
+    prepared (it carries "hf_zero_sequence"; tiled when `tile_tokens`), the model's own loss function otherwise."""
 
-    def __init__(self, original: Callable[..., torch.Tensor]) -> None:
-        self.original = original
+    def __init__(self, original: Callable[..., torch.Tensor], head: Optional[nn.Module] = None,
+                 tile_tokens: int = 0) -> None:
+        self.original, self.head, self.tile_tokens = original, head, tile_tokens
 
     def __call__(self, logits: torch.Tensor, labels: Optional[torch.Tensor], vocab_size: int,
                  num_items_in_batch: Optional[torch.Tensor] = None, ignore_index: int = -100,
@@ -78,14 +83,15 @@ class SequenceParallelLoss:
         if sequence is None or shift_labels is None:
             return self.original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
-        return sequence_parallel_loss(logits, shift_labels, sequence, num_items_in_batch, ignore_index)
+        return sequence_parallel_loss(logits, shift_labels, sequence, num_items_in_batch, ignore_index,
+                                      head=self.head, tile_tokens=self.tile_tokens)
 
 
 def _generating(kwargs: Dict[str, Any]) -> bool:
     return bool(kwargs.get("use_cache")) or any(kwargs.get(k) is not None for k in ("cache", "past_key_values"))
 
 
-def _cut_kwargs(model: nn.Module, kwargs: Dict[str, Any], groups: SequenceGroups) -> Dict[str, Any]:
+def _prepare_kwargs(model: nn.Module, kwargs: Dict[str, Any], groups: SequenceGroups, tiled_loss: bool) -> Dict[str, Any]:
     # Transformers separates packed documents (position ids restarting) only when the forward has neither a padding
     # mask nor a cache, and a training forward makes a cache whenever config.use_cache is on: the same rule here,
     # so the cut forward attends as the whole one would. The cut forward itself keeps no cache (one of chunks would
@@ -95,33 +101,72 @@ def _cut_kwargs(model: nn.Module, kwargs: Dict[str, Any], groups: SequenceGroups
         use_cache = bool(getattr(model.config, "use_cache", False))
     out = shard_inputs(kwargs, groups, separate_documents=not use_cache)
     out["use_cache"] = False
+    if tiled_loss and out.get("shift_labels") is not None:
+        out["logits_to_keep"] = 1  # the loss reads the hidden states (tiled): the head runs on the last position only
     return out
 
 
-def enable_sequence_parallel(model: nn.Module, groups: SequenceGroups) -> None:
-    """Make `model` (a Transformers causal LM) split every forward's sequence across `groups`' sp ranks."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "set_attn_implementation"):
-        raise ValueError(f"sequence parallelism plugs into Transformers models (attention interface, loss function); "
-                         f"{type(model).__name__} is not one")
-    loss_type = getattr(model, "loss_type", None) or "ForCausalLM"
-    if loss_type != "ForCausalLM":
-        raise ValueError(f"sequence parallelism computes a causal LM's loss; {type(model).__name__} has loss type "
-                         f"{loss_type!r}")
-    model.set_attn_implementation(register_attention(config._attn_implementation))
-    if not isinstance(getattr(model, "_loss_function", None), SequenceParallelLoss):
-        model.loss_function = SequenceParallelLoss(model.loss_function)
+def _transformers_model(model: nn.Module) -> nn.Module:
+    # a PEFT model forwards to a Transformers model whose attention and loss function are the ones that run
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(inner, "config", None) is None or not hasattr(inner, "set_attn_implementation"):
+        raise ValueError(f"sequence parallelism and tiling plug into Transformers models (attention interface, loss "
+                         f"function); {type(inner).__name__} is not one")
+    return inner
 
-    def cut(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
+
+def _keep_hidden(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
+    sequence = kwargs.get(KWARG)
+    if sequence is not None:
+        sequence.hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+
+def enable_long_sequences(model: nn.Module, groups: SequenceGroups, tiled_loss_tokens: int = 0,
+                          tiled_mlp_tokens: int = 0) -> None:
+    """Make `model` (a Transformers causal LM, or a PEFT model of one) split every forward's sequence across
+    `groups`' sp ranks (when there are several), compute its loss over tiles of `tiled_loss_tokens` tokens and its
+    MLPs over tiles of `tiled_mlp_tokens` (when not 0)."""
+    inner = _transformers_model(model)
+    config = inner.config
+    loss_type = getattr(inner, "loss_type", None) or "ForCausalLM"
+    if loss_type != "ForCausalLM":
+        raise ValueError(f"sequence parallelism and the tiled loss compute a causal LM's loss; {type(inner).__name__} "
+                         f"has loss type {loss_type!r}")
+    if groups.size > 1:
+        inner.set_attn_implementation(register_attention(config._attn_implementation))
+    head = None
+    if tiled_loss_tokens:
+        head = inner.get_output_embeddings()
+        if head is None or "logits_to_keep" not in inspect.signature(inner.forward).parameters:
+            raise ValueError(f"tiled_loss_tokens needs a causal LM whose forward takes logits_to_keep and that has an "
+                             f"output embedding; {type(inner).__name__} does not: set tiled_loss_tokens=0")
+        inner.base_model.register_forward_hook(_keep_hidden, with_kwargs=True)
+    if not isinstance(getattr(inner, "_loss_function", None), SequenceParallelLoss):
+        inner.loss_function = SequenceParallelLoss(inner.loss_function, head, tiled_loss_tokens)
+    mlps = 0
+    if tiled_mlp_tokens:
+        tiled = TiledMLP(tiled_mlp_tokens)
+        for name, module in inner.named_modules():
+            if name.rsplit(".", 1)[-1] == "mlp":
+                tiled.attach(module)
+                mlps += 1
+        if not mlps:
+            raise ValueError(f"tiled_mlp_tokens tiles the decoder layers' modules named 'mlp', and "
+                             f"{type(inner).__name__} has none: set tiled_mlp_tokens=0")
+
+    def prepare(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
         if KWARG in kwargs or _generating(kwargs):
             return None
         if args:  # input_ids, positionally
             if len(args) > 1:
-                raise ValueError("under sequence parallelism pass the model's inputs by keyword (input_ids=..., "
-                                 "attention_mask=..., labels=...), as Transformers' Trainer and collators do")
+                raise ValueError("under sequence parallelism or tiling pass the model's inputs by keyword "
+                                 "(input_ids=..., attention_mask=..., labels=...), as Transformers' Trainer and "
+                                 "collators do")
             kwargs = {"input_ids": args[0], **kwargs}
-        return (), _cut_kwargs(module, kwargs, groups)
+        return (), _prepare_kwargs(inner, kwargs, groups, bool(tiled_loss_tokens))
 
-    model.register_forward_pre_hook(cut, with_kwargs=True)
-    logger.info("hf_zero: sequence parallelism over %d ranks (%d data-parallel replicas), attention %s",
-                groups.size, groups.data_parallel_size, config._attn_implementation)
+    model.register_forward_pre_hook(prepare, with_kwargs=True)
+    logger.info("hf_zero: sequence parallelism over %d ranks (%d data-parallel replicas), attention %s; tiled loss "
+                "%s, tiled MLP %s", groups.size, groups.data_parallel_size, config._attn_implementation,
+                f"{tiled_loss_tokens} tokens" if tiled_loss_tokens else "off",
+                f"{tiled_mlp_tokens} tokens in {mlps} MLPs" if tiled_mlp_tokens else "off")

@@ -271,6 +271,13 @@ OPTIONS: Tuple[Option, ...] = (
            "Ulysses sequence parallelism: ranks per sequence-parallel group (sp). The N ranks form N/sp data-parallel "
            "replicas; each sp group splits every sequence across its ranks and all-to-alls attention heads; ZeRO "
            "still partitions over all N ranks. 1 = off."),
+    Option("tiled_loss_tokens", 0, Integer(0, "tokens per tile; 0: off"),
+           "Tiled logits and loss (causal LMs given labels): the head and the cross-entropy run over tiles of this many "
+           "tokens, recomputed in the backward, so the [sequence, vocab] logits never exist whole; outputs.logits then "
+           "holds the last position's logits only (as logits_to_keep=1). 0 = off."),
+    Option("tiled_mlp_tokens", 0, Integer(0, "tokens per tile; 0: off"),
+           "Tiled MLP: each decoder layer's MLP runs over tiles of this many tokens, recomputed in the backward, so its "
+           "[sequence, intermediate] activations never exist whole. 0 = off."),
 )
 
 BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}

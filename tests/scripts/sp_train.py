@@ -1,7 +1,7 @@
 """Worker for tests/test_sequence_parallel.py: train a tiny HF causal LM with HfZeroAccelerator under Ulysses
 sequence parallelism (torchrun: every rank runs this), one case after another in one process group.
 
-argv: OUT CASES_JSON. Each case: {"name", "kind", "stage", "sp", "data"}. Writes OUT/<name>.rank<R>.json (the loss
+argv: OUT CASES_JSON. Each case: {"name", "kind", "stage", "sp", "data", "plugin" (more ZeroPlugin options)}. Writes OUT/<name>.rank<R>.json (the loss
 every micro-batch printed on this rank, the gradient norm of every step) and, on the main process, OUT/<name>.safetensors (the final weights).
 """
 import json
@@ -19,8 +19,9 @@ from hf_zero import HfZeroAccelerator, ZeroPlugin  # noqa: E402
 
 
 def run(case, out):
-    accelerator = HfZeroAccelerator(zero_plugin=ZeroPlugin(stage=case["stage"], sequence_parallel_size=case["sp"],
-                                                           reduce_bucket_size=4096, allgather_bucket_size=4096),
+    plugin = ZeroPlugin(stage=case["stage"], sequence_parallel_size=case["sp"], reduce_bucket_size=4096,
+                        allgather_bucket_size=4096, **case.get("plugin", {}))
+    accelerator = HfZeroAccelerator(zero_plugin=plugin,
                                     gradient_accumulation_steps=sp_cases.ACCUM)
     model = sp_cases.make_model(case["kind"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=sp_cases.LR)

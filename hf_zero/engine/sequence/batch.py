@@ -36,6 +36,7 @@ class SequenceBatch:
     padding: Optional[torch.Tensor] = None
     valid_tokens: Optional[torch.Tensor] = None
     separate_documents: bool = True
+    hidden: Optional[torch.Tensor] = None  # the last hidden states, kept for a tiled loss (None: the model's logits)
     _mask: Any = field(default=None, repr=False)
 
     @property

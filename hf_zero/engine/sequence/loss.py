@@ -7,22 +7,30 @@ ranks' shares together are one replica's gradient, so N x (1 / N) x sp x shares 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .batch import IGNORE_INDEX, SequenceBatch
+from .tiled import tiled_cross_entropy_sum
 
 
 def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, sequence: SequenceBatch,
-                           num_items_in_batch: Optional[torch.Tensor] = None,
-                           ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Cross-entropy of this rank's chunk, scaled as the module's docstring says. Collective over the sp group."""
-    vocab = logits.shape[-1]
-    local = F.cross_entropy(logits.float().reshape(-1, vocab), shift_labels.reshape(-1).to(logits.device),
-                            ignore_index=ignore_index, reduction="sum")
+                           num_items_in_batch: Optional[torch.Tensor] = None, ignore_index: int = IGNORE_INDEX,
+                           head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                           tile_tokens: int = 0) -> torch.Tensor:
+    """Cross-entropy of this rank's chunk, scaled as the module's docstring says. Collective over the sp group.
+
+    With `tile_tokens` and `sequence.hidden`, the logits are `head(sequence.hidden)`, computed tile by tile
+    (tiled.py) and `logits` is not read."""
+    if tile_tokens and sequence.hidden is not None and head is not None:
+        local = tiled_cross_entropy_sum(head, sequence.hidden, shift_labels, tile_tokens, ignore_index)
+    else:
+        vocab = logits.shape[-1]
+        local = F.cross_entropy(logits.float().reshape(-1, vocab), shift_labels.reshape(-1).to(logits.device),
+                                ignore_index=ignore_index, reduction="sum")
     if num_items_in_batch is not None:
         denominator = num_items_in_batch
         if torch.is_tensor(denominator):
