@@ -16,6 +16,7 @@ A forward with a cache (generation) is not cut: every rank runs it whole, with t
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -23,7 +24,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ..engine.sequence import SequenceGroups, TiledMLP, sequence_parallel_loss, shard_inputs, ulysses_attention
+from ..engine.sequence import SequenceBatch, SequenceGroups, TiledMLP, sequence_parallel_loss, shard_inputs, ulysses_attention
 
 logger = logging.getLogger("hf_zero")
 
@@ -101,9 +102,27 @@ def _prepare_kwargs(model: nn.Module, kwargs: Dict[str, Any], groups: SequenceGr
         use_cache = bool(getattr(model.config, "use_cache", False))
     out = shard_inputs(kwargs, groups, separate_documents=not use_cache)
     out["use_cache"] = False
+    if groups.size > 1:
+        out[KWARG].mask_builder = functools.partial(_whole_sequence_mask, model.config)
+        # The wrapped kernel takes the whole sequence's mask from the SequenceBatch. A 4D mask reaches the layers as
+        # given, so this one-element "attend anywhere" mask keeps the model from building a chunk's mask
+        # ([B, 1, S/sp, S/sp] with padding or packed documents) that no kernel would read.
+        out["attention_mask"] = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=out[KWARG].positions.device)
     if tiled_loss and out.get("shift_labels") is not None:
         out["logits_to_keep"] = 1  # the loss reads the hidden states (tiled): the head runs on the last position only
     return out
+
+
+def _whole_sequence_mask(config: Any, sequence: SequenceBatch) -> Any:
+    """Transformers' own mask for the whole sequence, in the form the wrapped kernel takes (the registered mask
+    function is the kernel's): None for causal sdpa, a bool mask with padding or packed documents, a BlockMask for
+    flex. Packed documents are told apart exactly when the model's own forward would (SequenceBatch)."""
+    from transformers.masking_utils import create_causal_mask
+
+    batch = sequence.positions.shape[0] if sequence.padding is None else sequence.padding.shape[0]
+    shape_only = torch.empty(batch, sequence.length, 0, device=sequence.positions.device)
+    return create_causal_mask(config=config, inputs_embeds=shape_only, attention_mask=sequence.padding, cache=None,
+                              position_ids=sequence.positions if sequence.separate_documents else None)
 
 
 def _transformers_model(model: nn.Module) -> nn.Module:

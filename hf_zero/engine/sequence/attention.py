@@ -49,5 +49,7 @@ def ulysses_attention(kernel: Callable[..., Tuple[torch.Tensor, Any]], module: A
     q = all_to_all(query, 1, 2, groups.group)
     k = all_to_all(key, 1, 2, groups.group)
     v = all_to_all(value, 1, 2, groups.group)
+    if "position_ids" in kwargs:  # kernels that read positions (flash's packed sequences) see the whole sequence's
+        kwargs["position_ids"] = sequence.positions
     out, _ = kernel(view, q, k, v, sequence.attention_mask(), **kwargs)
     return all_to_all(out, 1, 2, groups.group), None

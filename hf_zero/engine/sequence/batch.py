@@ -7,7 +7,7 @@ positions), and the padding mask and document boundaries stay whole for attentio
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,9 @@ class SequenceBatch:
     valid_tokens: Optional[torch.Tensor] = None
     separate_documents: bool = True
     hidden: Optional[torch.Tensor] = None  # the last hidden states, kept for a tiled loss (None: the model's logits)
+    # the whole sequence's mask in the form the kernel takes (a BlockMask for flex, None for flash, ...); None: the
+    # dense bool mask of _build_mask, which is sdpa's
+    mask_builder: Optional[Callable[["SequenceBatch"], Any]] = field(default=None, repr=False)
     _mask: Any = field(default=None, repr=False)
 
     @property
@@ -57,17 +60,19 @@ class SequenceBatch:
             return None
         return starts.cumsum(-1)
 
-    def attention_mask(self) -> Optional[torch.Tensor]:
-        """[B, 1, S, S] bool mask over the whole sequence (True = may attend), or None when causal alone is right
-        (then the kernel's own causal mode runs and no S x S tensor exists). Built once per forward."""
+    def attention_mask(self) -> Any:
+        """The mask over the whole sequence: `mask_builder`'s, else [B, 1, S, S] bool (True = may attend), or None
+        when causal alone is right (then the kernel's own causal mode runs and no S x S tensor exists). Built once
+        per forward."""
         if self._mask is None:
-            self._mask = self._build_mask()
-        return self._mask if isinstance(self._mask, torch.Tensor) else None
+            built = self.mask_builder(self) if self.mask_builder is not None else self._build_mask()
+            self._mask = (built,)
+        return self._mask[0]
 
     def _build_mask(self) -> Any:
         documents = self.documents() if self.separate_documents else None
         if documents is None and self.padding is None:
-            return False  # "no mask", remembered
+            return None
         s = self.length
         device = self.positions.device
         mask = torch.ones(s, s, dtype=torch.bool, device=device).tril()[None, None]
