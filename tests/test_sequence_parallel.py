@@ -89,3 +89,17 @@ def test_sequence_parallel_matches_plain_training(launched, world, case):
         # AdamW divides by the root of the second moment, so a gradient element near zero moves by up to lr: the
         # float rounding of the sums (chunks instead of whole sequences) shows there at ~1e-5 of lr = 1e-2
         torch.testing.assert_close(value, ref_state[name], rtol=1e-4, atol=5e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_flex_attention_packed_forward_matches_plain(tmp_path):
+    """flex_attention under sp = 2 takes Transformers' BlockMask of the whole sequence: the loss of a packed batch
+    equals plain flex's. Forward only: torch's flex attention has no backward on CPU (training runs on GPU)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(HERE, "scripts", "sp_flex_forward.py"), str(tmp_path)]
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert res.returncode == 0, f"flex worker failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
+    for rank in range(2):
+        got = json.load(open(tmp_path / f"flex.rank{rank}.json"))
+        assert abs(got["plain"] - got["causal"]) > 1e-3  # the documents matter in this batch
+        assert got["sp"] == pytest.approx(got["plain"], rel=1e-6, abs=1e-6), got
