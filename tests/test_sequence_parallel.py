@@ -103,3 +103,20 @@ def test_flex_attention_packed_forward_matches_plain(tmp_path):
         got = json.load(open(tmp_path / f"flex.rank{rank}.json"))
         assert abs(got["plain"] - got["causal"]) > 1e-3  # the documents matter in this batch
         assert got["sp"] == pytest.approx(got["plain"], rel=1e-6, abs=1e-6), got
+
+
+@pytest.mark.slow
+def test_long_context_cpu_bench_smoke(tmp_path):
+    """Smoke test of benchmarks/long_context_cpu.py (its figures are in docs/long_context.md) at 256 tokens; one
+    real check: the first step's loss is the first sequence's under every variant (sp = 1 on rank 0, sp = 2 with and
+    without tiles), since every variant starts from the same weights."""
+    out = tmp_path / "bench.json"
+    res = subprocess.run([sys.executable, "-m", "benchmarks.long_context_cpu", "--seq-len", "256", "--steps", "2",
+                          "--hidden", "64", "--layers", "2", "--vocab", "512", "--repeats", "1", "--json", str(out)],
+                         env=_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    runs = json.load(open(out))["runs"]
+    first = {name: rs[0][0]["losses"][0] for name, rs in runs.items()}
+    assert set(first) == {"sp1", "sp2", "sp2_tiled"}
+    for name, loss in first.items():
+        assert loss == pytest.approx(first["sp1"], rel=1e-5), first
