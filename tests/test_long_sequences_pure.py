@@ -116,3 +116,19 @@ def test_errors_name_the_fix():
     q, kv = torch.zeros(1, 12, 2, 8), torch.zeros(1, 3, 2, 8)
     with pytest.raises(ValueError, match="3 key/value heads cannot be replicated evenly"):
         ulysses_attention(lambda *a, **k: None, object(), q, kv, kv, seq)
+
+
+def test_accelerate_parallelism_config_gives_sp_alone():
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from hf_zero.integrations.accelerate import HfZeroAccelerator
+
+    kwargs = {"parallelism_config": ParallelismConfig(sp_size=4)}
+    assert HfZeroAccelerator._take_sequence_parallelism(kwargs) == 4
+    assert "parallelism_config" not in kwargs  # hf_zero runs it: Accelerate would take it for DeepSpeed's Ulysses
+    kept = {"parallelism_config": ParallelismConfig()}
+    assert HfZeroAccelerator._take_sequence_parallelism(kept) == 1 and "parallelism_config" in kept
+    with pytest.raises(ValueError, match="ring attention"):
+        HfZeroAccelerator._take_sequence_parallelism({"parallelism_config": ParallelismConfig(cp_size=2)})
+    with pytest.raises(ValueError, match="takes sp_size alone"):
+        HfZeroAccelerator._take_sequence_parallelism({"parallelism_config": ParallelismConfig(sp_size=2, tp_size=2)})

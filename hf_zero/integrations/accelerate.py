@@ -83,6 +83,9 @@ class HfZeroAccelerator(Accelerator):
 
     def __init__(self, *args: Any, zero_plugin: Optional[ZeroPlugin] = None, **kwargs: Any) -> None:
         self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin.from_env()
+        # Accelerate reads ParallelismConfig(sp_size > 1) as DeepSpeed's Ulysses (and refuses it on CPU): hf_zero runs
+        # the sequence parallelism itself, so the config is taken here and not passed on
+        self._accelerate_sp = self._take_sequence_parallelism(kwargs)
         mixed_precision = kwargs.pop("mixed_precision", None) or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
         mixed_precision = str(mixed_precision).lower()
         if mixed_precision not in ("no", "fp32", "bf16", "fp16"):
@@ -146,23 +149,34 @@ class HfZeroAccelerator(Accelerator):
         self.zero_engines.append(engine)
         return engine
 
+    @staticmethod
+    def _take_sequence_parallelism(kwargs: Dict[str, Any]) -> int:
+        """sp_size of a ParallelismConfig among the Accelerator's arguments (removed from them when > 1), else 1."""
+        pc = kwargs.get("parallelism_config")
+        if pc is None:
+            return 1
+        if getattr(pc, "cp_size", 1) > 1:
+            raise ValueError(f"ParallelismConfig(cp_size={pc.cp_size}) is FSDP2's ring attention; hf_zero splits "
+                             f"sequences with Ulysses: give sp_size instead")
+        sp = getattr(pc, "sp_size", 1) or 1
+        if sp > 1:
+            others = {k: getattr(pc, f"{k}_size") for k in ("dp_replicate", "dp_shard", "tp")
+                      if (getattr(pc, f"{k}_size", 1) or 1) > 1}
+            if others:
+                raise ValueError(f"ParallelismConfig(sp_size={sp}) with {others}: hf_zero takes sp_size alone (ZeRO "
+                                 f"partitions over all N ranks, the N / sp replicas are the data parallelism); for "
+                                 f"tensor parallelism give ZeroPlugin(model_parallel_group=..., data_parallel_group=...)")
+            kwargs.pop("parallelism_config")
+        return sp
+
     def _sequence_groups(self) -> SequenceGroups:
         """The sp groups of `sequence_parallel_size`, or of Accelerate's `ParallelismConfig(sp_size=...)`."""
         size = self.zero_config.sequence_parallel_size
-        pc = self.parallelism_config
-        if pc is not None:
-            if pc.cp_size > 1:
-                raise ValueError(f"ParallelismConfig(cp_size={pc.cp_size}) is FSDP2's ring attention; hf_zero splits "
-                                 f"sequences with Ulysses: use sp_size (or sequence_parallel_size) instead")
-            if pc.sp_size > 1 and size not in (1, pc.sp_size):
-                raise ValueError(f"ParallelismConfig(sp_size={pc.sp_size}) and the ZeroPlugin's "
+        if self._accelerate_sp > 1:
+            if size not in (1, self._accelerate_sp):
+                raise ValueError(f"ParallelismConfig(sp_size={self._accelerate_sp}) and the ZeroPlugin's "
                                  f"sequence_parallel_size={size} disagree: give one of them")
-            if pc.sp_size > 1 and pc.tp_size > 1:
-                raise ValueError("sequence parallelism with tensor parallelism is not supported by hf_zero: choose "
-                                 "sp_size or tp_size")
-            size = max(size, pc.sp_size)
-        if size > 1:
-            self.zero_config.sequence_parallel_size = size
+            size = self.zero_config.sequence_parallel_size = self._accelerate_sp
         return SequenceGroups.build(size)
 
     def _parallel_groups(self, model: nn.Module) -> "tuple[Optional[Any], Optional[Any]]":

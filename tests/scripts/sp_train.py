@@ -1,7 +1,8 @@
 """Worker for tests/test_sequence_parallel.py: train a tiny HF causal LM with HfZeroAccelerator under Ulysses
 sequence parallelism (torchrun: every rank runs this), one case after another in one process group.
 
-argv: OUT CASES_JSON. Each case: {"name", "kind", "stage", "sp", "data", "plugin" (more ZeroPlugin options)}. Writes OUT/<name>.rank<R>.json (the loss
+argv: OUT CASES_JSON. Each case: {"name", "kind", "stage", "sp", "data", "plugin" (more ZeroPlugin options), "via"
+("parallelism_config": sp given as Accelerate's ParallelismConfig(sp_size) instead of the plugin's option)}. Writes OUT/<name>.rank<R>.json (the loss
 every micro-batch printed on this rank, the gradient norm of every step) and, on the main process, OUT/<name>.safetensors (the final weights).
 """
 import json
@@ -19,9 +20,15 @@ from hf_zero import HfZeroAccelerator, ZeroPlugin  # noqa: E402
 
 
 def run(case, out):
-    plugin = ZeroPlugin(stage=case["stage"], sequence_parallel_size=case["sp"], reduce_bucket_size=4096,
-                        allgather_bucket_size=4096, **case.get("plugin", {}))
-    accelerator = HfZeroAccelerator(zero_plugin=plugin,
+    via_accelerate = case.get("via") == "parallelism_config"  # Accelerate's ParallelismConfig(sp_size) instead
+    plugin = ZeroPlugin(stage=case["stage"], sequence_parallel_size=1 if via_accelerate else case["sp"],
+                        reduce_bucket_size=4096, allgather_bucket_size=4096, **case.get("plugin", {}))
+    extra = {}
+    if via_accelerate:
+        from accelerate.parallelism_config import ParallelismConfig
+
+        extra["parallelism_config"] = ParallelismConfig(sp_size=case["sp"])
+    accelerator = HfZeroAccelerator(zero_plugin=plugin, **extra,
                                     gradient_accumulation_steps=sp_cases.ACCUM)
     model = sp_cases.make_model(case["kind"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=sp_cases.LR)
