@@ -101,6 +101,9 @@ def test_labels_are_shifted_before_the_cut():
 def test_errors_name_the_fix():
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         register_attention("eager")
+    three = SequenceGroups(size=3, rank=0, group=None, data_parallel_size=1, data_parallel_rank=0)
+    with pytest.raises(ValueError, match="4 attention heads do not divide among sequence_parallel_size=3"):
+        enable_long_sequences(_llama(), three)  # at prepare time, before any forward
     two = SequenceGroups(size=2, rank=0, group=None, data_parallel_size=1, data_parallel_rank=0)
     with pytest.raises(ValueError, match="pad_to_multiple_of=2"):
         shard_inputs({"input_ids": torch.zeros(1, 7, dtype=torch.long)}, two)

@@ -125,6 +125,21 @@ def _whole_sequence_mask(config: Any, sequence: SequenceBatch) -> Any:
                               position_ids=sequence.positions if sequence.separate_documents else None)
 
 
+def _check_heads(config: Any, sp: int) -> None:
+    """At prepare time, what ulysses_attention would find at the first forward: heads that sp does not divide."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    heads = getattr(text, "num_attention_heads", None)
+    if heads is None:
+        return
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if heads % sp:
+        raise ValueError(f"the model's {heads} attention heads do not divide among sequence_parallel_size={sp} ranks: "
+                         f"choose a sequence_parallel_size that divides {heads}")
+    if kv % sp and sp % kv:
+        raise ValueError(f"the model's {kv} key/value heads cannot be replicated evenly onto sequence_parallel_size="
+                         f"{sp} ranks: choose a sequence_parallel_size that {kv} divides, or that divides it")
+
+
 def _transformers_model(model: nn.Module) -> nn.Module:
     # a PEFT model forwards to a Transformers model whose attention and loss function are the ones that run
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -152,6 +167,7 @@ def enable_long_sequences(model: nn.Module, groups: SequenceGroups, tiled_loss_t
         raise ValueError(f"sequence parallelism and the tiled loss compute a causal LM's loss; {type(inner).__name__} "
                          f"has loss type {loss_type!r}")
     if groups.size > 1:
+        _check_heads(config, groups.size)
         inner.set_attn_implementation(register_attention(config._attn_implementation))
     head = None
     if tiled_loss_tokens:
