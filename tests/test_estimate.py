@@ -891,3 +891,26 @@ def test_quantized_frozen_weights_count_codes_and_scales_at_stage_3():
     assert got == want
     assert plan_bytes(planner.plan(1, 3), planner.config_for(1))["params"] == sum(
         4 * g.padded for g in layout(model, 3))  # stage 1: the option does not apply
+
+
+def test_planner_groups_are_the_engines_at_every_stage():
+    """The estimator's groups are the engine's own at each stage. Stage 2 caps a trainable group at C_B bytes of its
+    gradient bucket in the reduce dtype and stage 1 does not (its full accumulator is reduced in place), so with
+    bf16 parameters and fp32 reduction a stage-2 group holds half the elements of a stage-1 one: 8 x Linear(64, 64)
+    with reduce_bucket_size 40,000 bytes is 4 groups of at most 8,320 elements at stage 2 (40,000 / 4 rounds down
+    to two layers of 4,160), 2 of 16,640 at stages 0-1 (40,000 / 2: four layers). A planner that planned stage 1
+    once and reused it for stage 2 reported the latter."""
+    from hf_zero.tools.estimate.plan import Planner
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)]).to(torch.bfloat16)
+    config = ZeroConfig(mixed_precision="bf16", reduce_dtype="fp32", reduce_bucket_size=40_000)
+    planner = Planner(model, config)
+    n = 4
+    for stage in (1, 2, 0, 3, 2):  # in an order that reuses each cached plan
+        engine = plan_model(model, n, planner.config_for(stage))
+        ours = planner.plan(stage, n)
+        assert [(g.numel, g.padded_numel, g.shard_numel) for g in ours.groups] == \
+               [(g.numel, g.padded_numel, g.shard_numel) for g in engine.groups], stage
+        assert ours.partition_size == engine.partition_size, stage
+    assert [g.numel for g in plan_model(model, n, planner.config_for(2)).groups] == [8320] * 4
+    assert [g.numel for g in plan_model(model, n, planner.config_for(1)).groups] == [16640] * 2

@@ -33,6 +33,7 @@ from torch import nn
 
 from ...config import ZeroConfig
 from ...engine.planning import GroupPlan, ShardPlan, plan_model
+from ...engine.policies import policies_for
 from ...engine.quantize import quantized_nbytes
 from ...options import bits
 from .formulas import (DEFAULT_BLOCK_SIZE, PAPER_ZEROPP_INTER_M, ZEROPP_COMBINATIONS, Collective, Recipe,
@@ -104,13 +105,20 @@ def plan_bytes(plan: ShardPlan, config: ZeroConfig, rank: int = 0, optimizer_sta
     return out
 
 
+def _groups_key(stage: int) -> Tuple[bool, bool]:
+    """What of the stage plan_model's groups depend on: the residency (stage 3 splits and gathers units) and whether
+    gradients are reduced in buckets of the reduce dtype, which then cap a trainable group too (stages 2-3)."""
+    gradients, residency = policies_for(stage)
+    return residency.sharded, gradients.reduces_in_buckets
+
+
 def _replan(plan: ShardPlan, world_size: int, stage: Optional[int] = None) -> ShardPlan:
     """The same layout on another world size (or stage): plan_model's groups depend on N only through the padding
-    and on the stage only through `stage < 3` (bucket caps) and `stage == 0` (no partitioning)."""
+    and on the stage only through `_groups_key` and the gradient policy's partitioning (none at stage 0)."""
     stage = plan.stage if stage is None else stage
-    if (stage == 3) != (plan.stage == 3):
-        raise ValueError("stage-3 plans and stage 0-2 plans have different groups; plan the model again")
-    partition = 1 if stage == 0 else world_size
+    if _groups_key(stage) != _groups_key(plan.stage):
+        raise ValueError(f"stage {plan.stage} and stage {stage} plans have different groups; plan the model again")
+    partition = world_size if policies_for(stage)[0].partitions else 1
     groups = []
     for g in plan.groups:
         padded = -(-g.numel // partition) * partition if g.numel else 0
@@ -120,21 +128,21 @@ def _replan(plan: ShardPlan, world_size: int, stage: Optional[int] = None) -> Sh
 
 
 class Planner:
-    """plan_model once for stages 0-2 and once for stage 3 (it is the slow part for 1000-layer models); every other
-    (stage, N) is derived by _replan."""
+    """plan_model once per kind of groups (`_groups_key`: stages 0-1, stage 2, stage 3; it is the slow part for
+    1000-layer models); every other (stage, N) is derived by _replan."""
 
     def __init__(self, model: nn.Module, config: ZeroConfig) -> None:
         self.model, self.config = model, config
-        self._base: Dict[bool, ShardPlan] = {}
+        self._base: Dict[Tuple[bool, bool], ShardPlan] = {}
 
     def config_for(self, stage: int) -> ZeroConfig:
         frozen = self.config.quantized_frozen_weights if stage == 3 else "none"  # a stage-3 option
         return dataclasses.replace(self.config, stage=stage, quantized_frozen_weights=frozen)
 
     def plan(self, stage: int, world_size: int) -> ShardPlan:
-        key = stage == 3
+        key = _groups_key(stage)
         if key not in self._base:
-            self._base[key] = plan_model(self.model, 1, self.config_for(3 if key else 1))
+            self._base[key] = plan_model(self.model, 1, self.config_for(stage))
         return _replan(self._base[key], world_size, stage)
 
 
