@@ -18,6 +18,10 @@ changes):
   `_rotate_checkpoints` method instead, and has no `_finalize_training`, where the deferred rotation must be done
   at the end: there (and under a subclass's own `_save_checkpoint`, e.g. TRL's) the save is waited for instead.
 
+ZeroTrainerMixin also makes the Trainer's `gather_function` attribute (set in `create_accelerator_and_postprocess`,
+called by `evaluation_loop`) a property, so that under sequence parallelism evaluation gathers each replica's values
+once (tests/test_sequence_parallel_trainer.py checks the loop still calls it).
+
 tests/test_private_api_transformers.py checks every one of them against the installed Transformers, so a rename
 upstream fails there; docs/architecture.md lists them ("Private APIs still used").
 """
@@ -51,6 +55,9 @@ TRAINER_METHODS: Dict[str, Optional[Tuple[str, ...]]] = {
     "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
     "_load_optimizer_and_scheduler": ("checkpoint",),
     "_load_best_model": (),
+    "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
+    "_track_num_input_tokens": ("inputs",),
+    "get_total_train_batch_size": ("args",),
 }
 # the Trainer's methods that read files through the module's `torch`
 READERS = ("_load_rng_state", "_load_scaler", "_load_from_checkpoint")

@@ -44,6 +44,8 @@ from ._transformers_private import create_accelerator, reading_without_code, sav
 from ._transformers_private import with_globals as _with_globals  # noqa: F401  (re-exported)
 from .accelerate import HfZeroAccelerator
 from .plugin import ZeroPlugin
+from .trainer_sequence import (check_trainer, chunk_loss_scale, gather_replicas_for_metrics, pad_to_multiple,
+                               watch_fused_head)
 
 SHARDS_DIR = "zero_shards"
 SCHEDULER_NAME = "scheduler.pt"
@@ -69,6 +71,10 @@ class ZeroTrainerMixin:
     def __init__(self, *args: Any, zero_plugin: Optional[ZeroPlugin] = None, **kwargs: Any) -> None:
         self.zero_plugin = zero_plugin
         super().__init__(*args, **kwargs)
+        sp = self._sequence_parallel_size()
+        if sp > 1:  # batches the model can cut into sp equal chunks; what cannot be right is refused here
+            check_trainer(self, sp)
+            self.data_collator = pad_to_multiple(self.data_collator, sp)
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's own method, run with `Accelerator` meaning HfZeroAccelerator: a copy of it whose globals
@@ -82,6 +88,58 @@ class ZeroTrainerMixin:
         if any(p.is_meta for p in model.parameters()):
             return None
         return super()._move_model_to_device(model, device)
+
+    # ------------------------------------------------------------------ sequence parallelism (trainer_sequence.py)
+    def _sequence_parallel_size(self) -> int:
+        groups = getattr(getattr(self, "accelerator", None), "sequence_groups", None)
+        return groups.size if groups is not None else 1
+
+    def compute_loss(self, model: torch.nn.Module, inputs: Dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """The Trainer's (or the subclass's) loss. Under sequence parallelism the model's own loss is right as the
+        Trainer scales it; a loss TRL's SFTTrainer sums over the fused head's chunk is multiplied by sp
+        (trainer_sequence.py says why)."""
+        sp = self._sequence_parallel_size()
+        if sp == 1:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        fused: list = []
+        stop = watch_fused_head(self, model, sp, fused)
+        try:
+            out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                       num_items_in_batch=num_items_in_batch)
+        finally:
+            stop()
+        scale = chunk_loss_scale(self, sp, fused, num_items_in_batch)
+        if scale == 1:
+            return out
+        return (out[0] * scale, out[1]) if return_outputs else out * scale
+
+    @property
+    def gather_function(self) -> Any:
+        """What the Trainer's evaluation loop gathers losses, labels and inputs with (it sets it to Accelerate's
+        gather_for_metrics); under sequence parallelism each replica's values once, as its sp ranks hold them alike."""
+        gather = self.__dict__.get("_gather_function")
+        if gather is None or self._sequence_parallel_size() == 1:
+            return gather
+        return functools.partial(gather_replicas_for_metrics, self.accelerator,
+                                 use_gather_object=self.args.eval_use_gather_object)
+
+    @gather_function.setter
+    def gather_function(self, value: Any) -> None:
+        self.__dict__["_gather_function"] = value
+
+    def _track_num_input_tokens(self, inputs: Dict[str, Any]) -> None:
+        """The Trainer sums the tokens of every rank's batch; the sp ranks of a replica hold the same batch, so the
+        sum counts each token sp times."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // \
+            self._sequence_parallel_size()
+
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """Samples per optimizer step: the world size counts the sp ranks, which read one replica's batch."""
+        return super().get_total_train_batch_size(args) // self._sequence_parallel_size()
 
     @property
     def zero_engine(self):
