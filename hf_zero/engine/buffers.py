@@ -73,6 +73,36 @@ class BufferPool:
         return self.live_bytes + sum(s.numel() for slabs in self._free.values() for s in slabs)
 
 
+def share_full_storage(groups: List["FlatGroup"]) -> None:
+    """Stage 3: make a unit's groups' full buffers views of one storage, so that a gather allocates the unit's
+    parameters as one block and a release frees one block, however many C_B-capped groups the unit has.
+
+    Why: the groups of a unit are gathered and released together anyway (gatherer.Unit), but one allocation per
+    group made several buffers under 32 MiB per unit, which glibc serves from its heap (its dynamic mmap threshold)
+    instead of mmap'ing them and giving them back: allocated and freed at every gather and release among the step's
+    longer-lived tensors, they fragmented the heap, whose freed pages the process keeps (issue 43's capacity bench,
+    docs/benchmarks.md). The storage is resized to zero bytes and back, as each group's was: the parameters and
+    autograd's saved views of them keep pointing into it. Each group starts at a multiple of the largest element
+    size among the unit's dtypes (what a view as its dtype needs), so a unit of one dtype has no padding and
+    its storage holds exactly its groups' bytes."""
+    if len(groups) < 2:
+        return
+    device = groups[0].full.device
+    align = max(g.full.element_size() for g in groups)
+    offsets, end = [], 0
+    for g in groups:
+        assert g.full.device == device, "a unit's groups live on one device"
+        end = -(-end // align) * align
+        offsets.append(end)
+        end += g.full_bytes
+    base = torch.empty(end, dtype=torch.uint8, device=device)
+    for g, offset in zip(groups, offsets):
+        g.full = base[offset:offset + g.full_bytes].view(g.plan.dtype)
+        g.storage_bytes = end
+        g.point_params(g.full)
+    base.untyped_storage().resize_(0)  # every group's `full` (and its parameters) now views this storage
+
+
 def _host_pinned(t: torch.Tensor, compute_device: torch.device) -> torch.Tensor:
     """A host tensor that copies to/from an accelerator asynchronously (page-locked); unchanged otherwise."""
     return t.pin_memory() if t.device.type == "cpu" and compute_device.type != "cpu" else t
@@ -132,6 +162,7 @@ class FlatGroup:
         # in one uint8 tensor (quantize.pack), which is also what its all-gather sends
         self.packed: Optional[torch.Tensor] = None
         self.block = frozen_block
+        self.storage_bytes = 0  # stage 3: bytes of the storage `full` views, when its unit's groups share one
         if sharded and not plan.trainable and frozen_block is not None:
             self._store_quantized(self.shard)
         self.point_params(self.full)
@@ -199,9 +230,10 @@ class FlatGroup:
         set_gathered(self.params, gathered)
 
     def alloc_full(self) -> torch.Tensor:
-        """Stage 3: give the full buffer its memory back (contents undefined until the all-gather lands)."""
+        """Stage 3: give the full buffer its memory back (contents undefined until the all-gather lands); where
+        the unit's groups share one storage (`share_full_storage`), the first of them allocates it for all."""
         storage = self.full.untyped_storage()
-        nbytes = self.full.numel() * self.full.element_size()
+        nbytes = self.storage_bytes or self.full_bytes
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
         return self.full

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .buffers import FlatGroup
+from .buffers import FlatGroup, share_full_storage
 from .comm import Handle, wait_all
 from .profiling import phase
 from .routes import PartitionGather
@@ -96,6 +96,7 @@ class Unit:
         self.reshard_after_forward = reshard_after_forward and not self.is_root
         self._trainable_groups = sum(1 for g in groups if g.plan.trainable)
         self.numel = sum(g.plan.padded_numel for g in groups)  # elements a gather materialises
+        share_full_storage(groups)  # one allocation per gather of the unit, not one per (C_B-capped) group
 
     def _versions(self) -> List[int]:
         return [g.version for g in self.groups]
