@@ -4,12 +4,13 @@
   averaged (DDP). Accumulating again on top of an averaged buffer stays exact (avg(a + l_r) = a + avg(l)).
 - stage 1: gradients accumulate locally at full size across micro-batches; on the synchronising backward (or at
   the step) each group is reduce-scattered once and the rank keeps the summed range it owns.
-- stages 2/3: every micro-batch's backward reduces a group as soon as its gradients have all arrived (they stay
-  where autograd put them until then): they are copied into a bucket of at most C_B (`reduce_bucket_size`; a group
-  larger than that, one parameter larger than a bucket, goes out in column chunks of its [P, S] view), the bucket
-  is reduce-scattered and the owned range added into the (fp32) gradient shard. Buckets come from a pool of C_B
-  slabs, taken only at launch and only while the buckets in flight stay within the budget (`comm_buffers_budget`):
-  a constant, whatever the model's size.
+- stages 2/3: every micro-batch's backward reduces a group as soon as its gradients have all arrived: they are
+  copied into a bucket of at most C_B (`reduce_bucket_size`; a group larger than that, one parameter larger than a
+  bucket, goes out in column chunks of its [P, S] view), the bucket is reduce-scattered and the owned range added
+  into the (fp32) gradient shard. A group that fits one bucket takes it at its first gradient and each gradient is
+  copied in as it arrives; column chunks, and a bucket the budget has no room for yet, wait at launch, their
+  gradients held where autograd put them until then. Buckets come from a pool of C_B slabs, taken only while the
+  buckets in flight stay within the budget (`comm_buffers_budget`): a constant, whatever the model's size.
 
 Reductions are issued asynchronously from post-accumulate-grad hooks, so they overlap the rest of the backward,
 and always in one order, the same on every rank: a group whose gradients are complete waits until every group
@@ -76,18 +77,20 @@ class ReduceRoute(Protocol):
 
 class _GroupState:
     __slots__ = ("group", "expected", "ready", "complete", "handle", "reduced", "reduce_dtype", "predivide",
-                 "columns", "held", "position")
+                 "columns", "held", "position", "bucket")
 
     def __init__(self, group: FlatGroup, reduce_dtype: torch.dtype, world_size: int, policy: GradientPolicy,
                  columns: Optional[List[Tuple[int, int]]], position: int) -> None:
         self.group = group
         self.position = position  # index among the trainable groups: how ranks name it when they agree the order
         self.reduce_dtype = reduce_dtype  # stages 2/3: the bucket's dtype on the wire
-        # stages 2/3: a group's gradients stay where autograd put them (`held`) until the group's turn to launch,
+        # stages 2/3: a one-bucket group's gradients are copied into its `bucket` as they arrive (taken at the first,
+        # budget permitting); otherwise they stay where autograd put them (`held`) until the group's turn to launch,
         # then go out in buckets of at most C_B taken from the pool only then: the whole group, or column chunks
         # for a group larger than a bucket (no second full-size copy of a gradient that already exists)
         self.columns = columns
         self.held: List[tuple] = []  # (slot, gradient) until the group is launched
+        self.bucket: Optional[torch.Tensor] = None  # a one-bucket group's bucket, filled as its gradients arrive
         # stages 2/3: an fp16 sum of N ranks' (loss-scaled) gradients overflows N times sooner, so each share is
         # divided first (stages 0/1 reduce their accumulator, in grad_accum_dtype, and divide after)
         self.predivide = reduce_dtype == torch.float16 and world_size > 1 and not policy.full_accumulator
@@ -233,7 +236,7 @@ class Reducer:
             self.clear_stale(st)
             g.grad_full[slot.offset:slot.offset + slot.numel].add_(grad)
         else:
-            st.held.append((slot, grad))  # copied into its bucket(s) at launch
+            self._hold(st, slot, grad)
         p.grad = None
         st.ready += 1
         if st.ready == st.expected:
@@ -265,10 +268,31 @@ class Reducer:
 
     def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed bucket, once the reductions in flight have left room for it within the budget."""
-        nbytes = numel * dtype.itemsize
+        self._make_room(numel * dtype.itemsize)
+        return self.pool.take(numel, dtype, device, zero=True)
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Wait for the oldest reductions in flight until a bucket of `nbytes` fits the budget; whether it does
+        (buckets still filling are not in flight: they may keep it over)."""
         while self.inflight and self.pool.live_bytes + nbytes > self.budget_bytes:
             self.inflight.pop(0).wait()
-        return self.pool.take(numel, dtype, device, zero=True)
+        return self.pool.live_bytes + nbytes <= self.budget_bytes
+
+    def _hold(self, st: _GroupState, slot, grad: torch.Tensor) -> None:
+        """Stages 2/3: keep a gradient until its group launches. A group that goes out in one bucket takes that
+        bucket at its first gradient, where the budget has room, and each gradient is copied in as it arrives, so
+        autograd's tensor is freed at once, as it was before buckets waited for their turn: a gradient held on
+        to while the backward allocates around it leaves a hole in the host allocator's heap that the next
+        gradient of its size no longer fits (glibc, issue 43's capacity bench). A group in column chunks, or one
+        whose bucket would pass the budget, holds its gradients and copies them at launch."""
+        if st.bucket is None and len(st.columns) == 1:
+            g = st.group
+            if self._make_room(g.plan.padded_numel * st.reduce_dtype.itemsize):
+                st.bucket = self.pool.take(g.plan.padded_numel, st.reduce_dtype, g.device, zero=True)
+        if st.bucket is None:
+            st.held.append((slot, grad))  # copied into its bucket(s) at launch
+        else:
+            st.bucket[slot.offset:slot.offset + slot.numel].copy_(grad)
 
     def _issue_buckets(self, st: _GroupState) -> None:
         """Stages 2/3: the group's buckets in turn (one, or its column chunks), each copied from the held gradients
@@ -280,7 +304,9 @@ class Reducer:
         handles = []
         for j, (c0, c1) in enumerate(st.columns):
             width = c1 - c0
-            bucket = self._take(p * width, st.reduce_dtype, g.device)
+            bucket, st.bucket = st.bucket, None
+            if bucket is None:
+                bucket = self._take(p * width, st.reduce_dtype, g.device)
             rows = bucket.view(p, width)
             for slot, grad in held:
                 if width == s:  # the whole group: the bucket is its flat layout
@@ -413,6 +439,9 @@ class Reducer:
             g.zero_grads()
             st.ready, st.complete, st.reduced, st.handle = 0, False, False, None
             st.held = []
+            if st.bucket is not None:
+                self.pool.give(st.bucket)
+                st.bucket = None
         self._next, self._unreduced = 0, False
         self._completed = []
         self.finalized = False
