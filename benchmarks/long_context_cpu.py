@@ -35,8 +35,9 @@ def variants(seq_len: int) -> Dict[str, List[str]]:
 
 
 def run_one(name: str, extra: List[str], args: argparse.Namespace, out: str) -> List[dict]:
+    path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS=str(args.threads),
-               MALLOC_MMAP_THRESHOLD_=str(1 << 20), PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+               MALLOC_MMAP_THRESHOLD_=str(1 << 20), PYTHONPATH=path)
     prefix = os.path.join(out, name)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", EXAMPLE,

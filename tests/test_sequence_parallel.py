@@ -59,7 +59,8 @@ def launched(tmp_path_factory):
         if world not in done:
             out = tmp_path_factory.mktemp(f"sp_w{world}")
             worker = [os.path.join(HERE, "scripts", "sp_train.py"), str(out), json.dumps(CASES[world])]
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)] + worker
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+                   *worker]
             res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900, cwd=str(out))
             assert res.returncode == 0, f"{' '.join(cmd[:6])} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
             done[world] = out

@@ -8,8 +8,8 @@ W = 2 (sp = 2) and W = 4 (2 replicas x sp = 2, against one process reading both 
 
 The evaluation loss on an eval set whose last batch is uneven is the stock one (each replica's losses gathered once).
 A checkpoint saved at sp = 2 on 2 ranks resumes at sp = 1 on 2 ranks and on 1 rank: steps 3-4 and the final weights
-are the stock run's. What cannot be right is refused with the fix: compute_loss_func, label smoothing, compute_metrics (all
-get one chunk's logits), TRL's DPOTrainer (a whole-sequence objective from a chunk).
+are the stock run's. What cannot be right is refused with the fix: compute_loss_func, label smoothing,
+compute_metrics (all get one chunk's logits), TRL's DPOTrainer (a whole-sequence objective from a chunk).
 
 The hf_zero workers run under torchrun (a port the OS hands out), all cases of one world size in one launch; the
 stock runs in one plain process that never imports hf_zero before them (tests/scripts/sp_trainer_train.py). The
@@ -24,6 +24,7 @@ import types
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_sequence_parallel import _env  # the same clean launcher environment
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -66,14 +67,6 @@ STOCK = {
 # after the stock runs, in the same plain process: the sp = 2 checkpoint on 1 rank
 RESUME_W1 = ("stock_trainer", dict(kind="trainer", backend="zero", stage=2, sp=1, max_steps=4, tokens=True,
                                    resume="ckpt"))
-
-
-def _env():
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
-    for key in ("HF_ZERO_CONFIG_FILE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
 
 
 def _cases(cases, out, **extra):

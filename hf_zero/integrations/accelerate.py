@@ -165,7 +165,8 @@ class HfZeroAccelerator(Accelerator):
             if others:
                 raise ValueError(f"ParallelismConfig(sp_size={sp}) with {others}: hf_zero takes sp_size alone (ZeRO "
                                  f"partitions over all N ranks, the N / sp replicas are the data parallelism); for "
-                                 f"tensor parallelism give ZeroPlugin(model_parallel_group=..., data_parallel_group=...)")
+                                 f"tensor parallelism give ZeroPlugin(model_parallel_group=..., "
+                                 f"data_parallel_group=...)")
             kwargs.pop("parallelism_config")
         return sp
 

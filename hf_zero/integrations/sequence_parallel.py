@@ -24,7 +24,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ..engine.sequence import SequenceBatch, SequenceGroups, TiledMLP, sequence_parallel_loss, shard_inputs, ulysses_attention
+from ..engine.sequence import (SequenceBatch, SequenceGroups, TiledMLP, sequence_parallel_loss, shard_inputs,
+                               ulysses_attention)
 
 logger = logging.getLogger("hf_zero")
 
@@ -92,7 +93,8 @@ def _generating(kwargs: Dict[str, Any]) -> bool:
     return bool(kwargs.get("use_cache")) or any(kwargs.get(k) is not None for k in ("cache", "past_key_values"))
 
 
-def _prepare_kwargs(model: nn.Module, kwargs: Dict[str, Any], groups: SequenceGroups, tiled_loss: bool) -> Dict[str, Any]:
+def _prepare_kwargs(model: nn.Module, kwargs: Dict[str, Any], groups: SequenceGroups,
+                    tiled_loss: bool) -> Dict[str, Any]:
     # Transformers separates packed documents (position ids restarting) only when the forward has neither a padding
     # mask nor a cache, and a training forward makes a cache whenever config.use_cache is on: the same rule here,
     # so the cut forward attends as the whole one would. The cut forward itself keeps no cache (one of chunks would

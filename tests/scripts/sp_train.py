@@ -2,8 +2,9 @@
 sequence parallelism (torchrun: every rank runs this), one case after another in one process group.
 
 argv: OUT CASES_JSON. Each case: {"name", "kind", "stage", "sp", "data", "plugin" (more ZeroPlugin options), "via"
-("parallelism_config": sp given as Accelerate's ParallelismConfig(sp_size) instead of the plugin's option)}. Writes OUT/<name>.rank<R>.json (the loss
-every micro-batch printed on this rank, the gradient norm of every step) and, on the main process, OUT/<name>.safetensors (the final weights).
+("parallelism_config": sp given as Accelerate's ParallelismConfig(sp_size) instead of the plugin's option)}.
+Writes OUT/<name>.rank<R>.json (the loss every micro-batch printed on this rank, the gradient norm of every step)
+and, on the main process, OUT/<name>.safetensors (the final weights).
 """
 import json
 import os

@@ -22,7 +22,8 @@ def _exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Optiona
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, scatter_dim: int, gather_dim: int,  # type: ignore[override]
+                group) -> torch.Tensor:
         ctx.dims, ctx.group = (scatter_dim, gather_dim), group
         return _exchange(x, scatter_dim, gather_dim, group)
 
