@@ -11,9 +11,15 @@
 - HSDP and hpZ at N = 64 in hosts of 8: the ledger's intra- and inter-host volumes, exactly; qgZ's error-feedback
   residuals: one fp32 residual per gradient group and hop;
 - the control plane's simulated answers, the Llama shape for --params, the live-bytes tracker on real tensors, and
-  the command line's errors: no process spawned.
+  the command line's errors: no process spawned;
+- long sequences (#44): the real Ulysses path at sp = 2 and 4 keeps per layer exactly the activation count for the
+  rank's S/sp tokens (and the whole forward the count plus what it names as left out), its all-to-alls are four per
+  layer and pass of the heads exchanged; sp = 1 is the plain dry run written out (less the S x S mask Transformers
+  builds only for fake position ids, which a real run does not build); CPU checkpoints and offloaded states are
+  host bytes, exactly the checkpoints and the count's master and parameter shards.
 """
 import contextlib
+import dataclasses
 import functools
 import json
 from collections import Counter
@@ -360,6 +366,26 @@ def test_live_bytes_counts_allocations_and_frees():
     del b, c
 
 
+def test_live_bytes_books_host_memory_apart():
+    """Storages made while `host` is set, or re-booked by `to_host`, are the host's: each place has its own peak."""
+    tracker = LiveBytes()
+    with tracker:
+        tracker.phase = "forward"
+        a = torch.empty(1000)  # 4000 B on the device
+        tracker.host = True
+        b = torch.empty(250)  # 1000 B on the host
+        tracker.host = False
+        c = torch.empty(500)  # 2000 B on the device, then moved
+        tracker.to_host([c])
+        assert (tracker.total, tracker.host_total) == (7000, 3000)
+        del a
+        d = torch.empty(1)  # an op after the free: the peaks see it
+    assert (tracker.device_peak, tracker.host_peak, tracker.peak) == (6000, 3000, 7000)
+    assert tracker.host_at_peak == {"forward": 3000} and tracker.device_at_peak == {"forward": 6000, "gathered": 0}
+    del b, c, d
+    assert tracker.host_total == 0
+
+
 def test_dry_run_refuses_inside_a_distributed_process():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -374,6 +400,7 @@ def test_dry_run_refuses_inside_a_distributed_process():
     (dict(num_processes=8, rank=8), "rank 8"),
     (dict(num_processes=8, ranks_per_host=3), "does not divide"),
     (dict(num_processes=8, seq_len=0), "at least 1"),
+    (dict(num_processes=8, cpu_checkpointing=True), "needs gradient_checkpointing"),
 ])
 def test_dry_run_bad_arguments_name_the_problem(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -391,6 +418,16 @@ def test_cli_dry_run_table_and_json(capsys):
                  "--hierarchy", "hpz", "--seq-len", "8", "--json"]) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
     assert [(r["stage"], r["option"], r["hosts"]) for r in runs] == [(3, "hpz", 2)]
+    long = ["estimate", "--dry-run", "--model", "tiny", "--num-processes", "4", "--stage", "3", "--seq-len", "8",
+            "--option", "sequence_parallel_size=2", "--gradient-checkpointing", "--cpu-checkpointing"]
+    assert main(long) == 0
+    out = capsys.readouterr().out
+    assert "sequence parallel over 2 ranks (4 tokens per rank" in out and "checkpoints in host memory" in out
+    assert "peak: device" in out
+    assert main(long + ["--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    assert run["long_sequences"]["tokens_per_rank"] == 4 and run["cpu_checkpointing"]
+    assert run["peak"]["host"]["total"] > 0
 
 
 @pytest.mark.parametrize("args,match", [
@@ -413,6 +450,15 @@ def test_cli_dry_run_flags_without_dry_run(capsys):
 
     assert main(["estimate", "--params", "1e9", "--num-processes", "8", "--hierarchy", "hpz", "--rank", "3"]) == 2
     assert "--hierarchy, --rank only apply with --dry-run: add --dry-run or drop them" in capsys.readouterr().err
+    assert main(["estimate", "--params", "1e9", "--num-processes", "8", "--cpu-checkpointing"]) == 2
+    assert "--cpu-checkpointing only applies with --dry-run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n,seq,match", [(6, 8, "does not divide num_processes 6"),
+                                         (8, 6, "seq_len 6 is not a multiple of sequence_parallel_size=4")])
+def test_sequence_parallel_dry_run_refuses_what_does_not_divide(n, seq, match):
+    with pytest.raises(ValueError, match=match):
+        dry_run("tiny", ZeroConfig(stage=3, sequence_parallel_size=4), n, seq_len=seq)
 
 
 @pytest.mark.parametrize("name,options,precision", [
@@ -439,6 +485,13 @@ def test_dry_run_through_the_engine_paths(name, options, precision):
         want["master"] = want["params"]
         want["model_states"] += want["params"]
     assert {k: out["measured"][k] for k in KEYS} == want, name
+    host = out["peak"]["host"]
+    if "offload_optimizer" in options:  # the host holds the fp32 master and the parameter shards from the start,
+        assert host["at_peak"]["model"] == want["master"] + want["params"]  # and the Adam states from the step
+        assert host["total"] >= want["master"] + want["params"] + want["optimizer_states"]
+        assert out["peak"]["device"]["total"] <= out["peak"]["total"] - host["at_peak"]["model"]
+    else:
+        assert host["total"] == 0 and out["peak"]["device"]["total"] == out["peak"]["total"]
     if "error feedback" in name:
         # qgZ across 2 hosts of 2 reduces in two hops (ZeRO++'s hierarchical all-to-all): a group's whole padded
         # bucket inside the host, then the host's sums, 1/K of it, across hosts; error feedback keeps one fp32
@@ -473,3 +526,161 @@ def test_a_dry_run_leaves_no_fake_tensor_alive(stage):
     dry_run("tiny", ZeroConfig(stage=stage), 4, seq_len=SEQ)
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, FakeTensor)]
+
+
+# ------------------------------------------------------------------------------------------ long sequences (#44)
+# A Llama with grouped-query attention (2 KV heads for 8 query heads), bf16 at stage 3 on N = 4: at sp = 2 the KV
+# heads divide among the ranks, at sp = 4 each is replicated to 2 heads first (engine/sequence/attention.py).
+SP_N, SP_SEQ, SP_E = 4, 512, 2  # world size, tokens per sequence, bytes per bf16 activation
+SP_SHAPE = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, intermediate_size=344)
+
+
+def _sp_llama(layers):
+    return dict(model_type="llama", vocab_size=384, num_hidden_layers=layers, max_position_embeddings=SP_SEQ,
+                tie_word_embeddings=False, **SP_SHAPE)
+
+
+def _sp_dry(layers, sp, checkpointing, cpu=False, **options):
+    config = ZeroConfig(stage=3, mixed_precision="bf16", sequence_parallel_size=sp, **options)
+    return dry_run(_sp_llama(layers), config, SP_N, seq_len=SP_SEQ, gradient_checkpointing=checkpointing,
+                   cpu_checkpointing=cpu)
+
+
+@pytest.mark.parametrize("sp,checkpointing", [(2, False), (4, False), (4, True), (1, True)])
+def test_sequence_parallel_dry_run_keeps_the_formulas_activations(sp, checkpointing):
+    """The real Ulysses path on the fake world (the pre-hook cuts the batch, q/k/v and the output are all-to-all'd,
+    the whole sequence's loss): what a forward keeps for its backward, per layer (a 3-layer model less a 2-layer
+    one), is the term-by-term count (tools/estimate/activations.py) for the rank's S/sp tokens, exactly: with
+    checkpointing the layer's input, e·t·h; without, the layer's activations plus what Ulysses adds (the kernel's own
+    output, and the KV replicas at sp = 4). The whole forward's is the count plus what the count leaves out, named
+    below, to the loss's scalars. The all-to-alls: four per layer and pass (q, k, v, the output; forward, backward
+    and the recomputation), each of the rank's t tokens x the heads exchanged."""
+    from hf_zero.integrations.hf_models import config_from_dict
+    from hf_zero.tools.estimate.activations import activation_bytes, activation_shape, layer_activation_bytes
+
+    runs = {layers: _sp_dry(layers, sp, checkpointing) for layers in (2, 3)}
+    shape = activation_shape(config_from_dict(_sp_llama(2)))  # built on meta by the estimator
+    t, h, d = SP_SEQ // sp, SP_SHAPE["hidden_size"], shape.head_dim
+    per_layer = runs[3]["peak"]["kept_by_forward"]["total"] - runs[2]["peak"]["kept_by_forward"]["total"]
+    if checkpointing:
+        assert per_layer == SP_E * t * h
+    else:
+        assert per_layer == layer_activation_bytes(shape, 1, SP_SEQ, SP_E, "sdpa", sequence_parallel=sp)["total"]
+        plain = layer_activation_bytes(shape, 1, SP_SEQ // sp, SP_E, "sdpa")["total"]
+        replicas = 2 * SP_E * t * (sp - 2) * d if sp > 2 else 0
+        assert per_layer - plain == SP_E * t * h + replicas  # Ulysses' own terms, by hand
+    stored = activation_bytes(shape, 1, SP_SEQ, SP_E, checkpointing, "sdpa", sequence_parallel=sp)["stored"]
+    kept = runs[2]["peak"]["kept_by_forward"]["total"]
+    # what the count leaves out: the rotary cos and sin of the rank's tokens, with checkpointing the position ids the
+    # layers' checkpoints hold (int64, the whole sequence's: under sp a chunk is a view of them), and the loss's
+    # scalars (16-17 bytes here)
+    left_out = 2 * SP_E * t * d + (8 * SP_SEQ if checkpointing else 0)
+    assert 0 <= kept - stored - left_out <= 64, (kept, stored, left_out)
+    a2a = runs[2]["long_sequences"]["all_to_all"]
+    kv = 2 if 2 % sp == 0 else sp  # KV heads exchanged: replicated to sp when sp does not divide them
+    passes = 3 if checkpointing else 2
+    if sp == 1:
+        assert a2a == {"calls": 0, "elements": 0, "bytes": 0}
+    else:
+        assert a2a["calls"] == 2 * 4 * passes
+        assert a2a["elements"] == 2 * passes * t * (2 * h + 2 * kv * d)
+        assert a2a["bytes"] == SP_E * a2a["elements"]
+    assert runs[2]["long_sequences"]["tokens_per_rank"] == t
+
+
+def _plain_dry_step(config, checkpointing):
+    """The dry run as it was before sequence parallelism, written out: the model from the same builder with
+    Transformers' own checkpointing and attention, the same fake world and tracker, one step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hf_zero import shard_model
+    from hf_zero.engine.control import simulated_hosts
+    from hf_zero.tools.estimate.dry_run import _fake_cpu, _fake_world, _meta_model
+
+    meta = _meta_model(_sp_llama(2))
+    if checkpointing:
+        meta.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with _fake_world(SP_N, 0), simulated_hosts(SP_N), FakeTensorMode(allow_non_fake_inputs=True):
+        engine = None
+        tracker = LiveBytes(lambda: engine.gathered.now if engine is not None and engine.gatherer is not None else 0)
+        with tracker:
+            fake = _fake_cpu(meta)
+            engine = shard_model(fake, torch.optim.AdamW(fake.parameters(), lr=1e-4), config)
+            tracker.exclude(g.full for g in engine.groups)
+            engine.reset_comm_stats()
+            tracker.reset_peak()
+            ids = torch.randint(0, 384, (1, SP_SEQ))
+            tracker.phase = "forward"
+            loss = fake(input_ids=ids, labels=ids).loss
+            kept = tracker.live["forward"]
+            tracker.phase = "backward"
+            engine.backward(loss)
+            del loss
+            tracker.phase = "step"
+            engine.clip_grad_norm_(1.0)
+            engine.optimizer.step()
+            engine.optimizer.zero_grad()
+        out = {"peak": tracker.peak, "at_peak": dict(tracker.at_peak), "kept": kept, "ledger": engine.comm_stats()}
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_sequence_parallel_size_1_is_the_plain_dry_run(checkpointing):
+    """sp = 1 changes nothing: the peak, its split and the ledger are those of the dry run written out without any of
+    it. With checkpointing the plain one keeps one more thing from the forward, exactly the b x S x S boolean mask
+    Transformers builds for fake position ids it cannot read (taking them for packed documents; a real run builds
+    none: the test below), and its kernel runs with that mask; the dry run now attends as on real tensors."""
+    config = ZeroConfig(stage=3, mixed_precision="bf16")
+    plain = _plain_dry_step(config, checkpointing)
+    ours = dry_run(_sp_llama(2), dataclasses.replace(config, sequence_parallel_size=1), SP_N, seq_len=SP_SEQ,
+                   gradient_checkpointing=checkpointing)
+    assert ours["ledger"] == {k: plain["ledger"][k] for k in ours["ledger"]}
+    mask = SP_SEQ * SP_SEQ if checkpointing else 0
+    assert ours["peak"]["kept_by_forward"]["total"] == plain["kept"] - mask
+    if checkpointing:  # the kernel also runs without the mask (its causal mode), so the peak falls by a little more
+        assert ours["peak"]["total"] <= plain["peak"] - mask
+    else:
+        assert ours["peak"]["total"] == plain["peak"] and ours["peak"]["at_peak"] == plain["at_peak"]
+    assert ours["peak"]["device"]["total"] == ours["peak"]["total"] and ours["peak"]["host"]["total"] == 0
+
+
+def test_a_real_checkpointed_forward_builds_no_sequence_squared_mask():
+    """The reference for the mask above: the same model on real tensors under checkpointing creates no boolean tensor
+    of S x S elements (Transformers reads the position ids, finds one document and lets the kernel's causal mode
+    run)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_zero.integrations.hf_models import causal_lm_from_config, config_from_dict
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.bool:
+                    self.most = max(self.most, t.numel())
+            return out
+
+    torch.manual_seed(0)
+    model = causal_lm_from_config(config_from_dict(_sp_llama(2)))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, 384, (1, SP_SEQ))
+    with Largest() as mode:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert mode.most < SP_SEQ * SP_SEQ
+
+
+def test_cpu_checkpoints_are_host_bytes():
+    """cpu_checkpointing: the checkpoints (each layer's input, e·t·h at sp = 2) are what the forward leaves in host
+    memory, exactly, and the device keeps that much less; the ledger does not change."""
+    on_device, on_host = (_sp_dry(2, 2, True, cpu=cpu) for cpu in (False, True))
+    checkpoints = 2 * SP_E * (SP_SEQ // 2) * SP_SHAPE["hidden_size"]
+    kept, kept_cpu = on_device["peak"]["kept_by_forward"], on_host["peak"]["kept_by_forward"]
+    assert kept["host"] == 0 and kept_cpu["host"] == checkpoints
+    assert kept_cpu["total"] - kept_cpu["host"] == kept["total"] - checkpoints
+    assert on_host["peak"]["host"]["total"] >= checkpoints
+    assert on_host["peak"]["device"]["total"] < on_device["peak"]["device"]["total"]
+    assert on_host["ledger"] == on_device["ledger"]

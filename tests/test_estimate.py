@@ -914,3 +914,21 @@ def test_planner_groups_are_the_engines_at_every_stage():
         assert ours.partition_size == engine.partition_size, stage
     assert [g.numel for g in plan_model(model, n, planner.config_for(2)).groups] == [8320] * 4
     assert [g.numel for g in plan_model(model, n, planner.config_for(1)).groups] == [16640] * 2
+
+
+def test_sequence_parallel_activation_count_refuses_what_ulysses_refuses():
+    """The count under sequence parallelism takes the settings Ulysses runs (engine/sequence/attention.py): a fused
+    kernel, heads and sequence divided by sp, KV heads divided by sp or dividing it; at sp = 1 it is the plain count,
+    term for term."""
+    shape = ActivationShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=172, vocab=256,
+                            gated_mlp=True, act_saved=1, rms_norm=True, softmax_fp32=True)
+    assert layer_activation_bytes(shape, 2, 64, 2, "sdpa", sequence_parallel=1) == layer_activation_bytes(
+        shape, 2, 64, 2, "sdpa")
+    for kwargs, match in ((dict(attention="eager", sequence_parallel=2), "not eager"),
+                          (dict(attention="sdpa", sequence_parallel=3), "must divide"),
+                          (dict(attention="sdpa", sequence_parallel=0), "at least 1")):
+        with pytest.raises(ValueError, match=match):
+            activation_bytes(shape, 2, 64, 2, **kwargs)
+    odd = ActivationShape(**{**shape.__dict__, "heads": 12, "kv_heads": 3})
+    with pytest.raises(ValueError, match="cannot be replicated"):
+        activation_bytes(odd, 2, 64, 2, attention="sdpa", sequence_parallel=4)

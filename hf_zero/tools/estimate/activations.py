@@ -30,6 +30,17 @@ hold), and recomputes one layer's activations at a time in the backward. Peak = 
 recomputed layer (checkpointing only) and the loss's transient 8·s·b·V (the fp32 gradients of the log-probabilities
 and of the logits, alive together at the start of the backward). Activations do not shrink with N: each rank runs
 its own micro-batch.
+
+Ulysses sequence parallelism over K ranks (``sequence_parallel=K``, sdpa/flash kernels only) divides the sequence:
+every term above is counted for the rank's t = s·b/K tokens (attention too: after the all-to-all each rank attends
+over all s positions for a/K heads, which is the same bytes), plus what the exchange adds per layer:
+
+    e·t·h_q        the kernel's output, kept for its backward besides the exchanged result (the o_proj input)
+    2·e·t·(K - kv_heads)·head_dim   when K does not divide the KV heads: each is replicated to K heads first, and
+                   the kernel keeps the replicas
+
+and outside the layers the whole sequence's shifted labels, 8·s·b bytes on every rank (the loss's count of valid
+tokens), in place of the 8·t of the token ids.
 """
 from __future__ import annotations
 
@@ -145,11 +156,38 @@ def _norm_bytes(shape: ActivationShape, tokens: int, e: int) -> int:
     return tokens * (e * shape.hidden + 8)
 
 
+def _check_sequence_parallel(shape: ActivationShape, seq_len: int, attention: str, sp: int) -> None:
+    """The conditions Ulysses attention (engine/sequence/attention.py) runs under."""
+    if sp < 1:
+        raise ValueError(f"sequence_parallel must be at least 1, got {sp}")
+    if sp == 1:
+        return
+    if attention == "eager":
+        raise ValueError("sequence parallelism runs fused attention kernels (sdpa, flash), not eager attention")
+    if seq_len % sp or shape.heads % sp:
+        raise ValueError(f"sequence_parallel={sp} must divide the sequence ({seq_len}) and the heads ({shape.heads})")
+    if shape.kv_heads % sp and sp % shape.kv_heads:
+        raise ValueError(f"{shape.kv_heads} key/value heads cannot be replicated onto sequence_parallel={sp} ranks")
+
+
+def _ulysses_bytes(shape: ActivationShape, tokens: int, e: int, sp: int) -> int:
+    """What a layer keeps beyond the plain count at `tokens` per rank under Ulysses: the kernel's own output, and
+    the KV replicas when sp does not divide the KV heads (module docstring)."""
+    if sp == 1:
+        return 0
+    replicas = 2 * e * tokens * (sp - shape.kv_heads) * shape.head_dim if shape.kv_heads % sp else 0
+    return e * tokens * shape.heads * shape.head_dim + replicas
+
+
 def layer_activation_bytes(shape: ActivationShape, batch_size: int, seq_len: int, dtype_bytes: int = 2,
-                           attention: str = "eager", mask_bytes: int = 1) -> Dict[str, int]:
-    """Bytes one decoder layer keeps for its backward (no checkpointing), by term; see the module docstring."""
+                           attention: str = "eager", mask_bytes: int = 1, sequence_parallel: int = 1) -> Dict[str, int]:
+    """Bytes one decoder layer keeps for its backward (no checkpointing), by term, on one rank; see the module
+    docstring (`sequence_parallel`: Ulysses over that many ranks, each holding seq_len / sequence_parallel tokens)."""
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+    sp = sequence_parallel
+    _check_sequence_parallel(shape, seq_len, attention, sp)
+    seq_len //= sp  # every term below is per rank (attention's a·s over a/K heads is the same bytes)
     e, m, t = dtype_bytes, mask_bytes, batch_size * seq_len
     h, a, f = shape.hidden, shape.heads, shape.intermediate
     h_q = a * shape.head_dim
@@ -166,22 +204,28 @@ def layer_activation_bytes(shape: ActivationShape, batch_size: int, seq_len: int
     resid_masks = 2 * m * t * h if shape.resid_dropout > 0 else 0
     norms = 2 * _norm_bytes(shape, t, e)
     out = {"attention": attn, "mlp": mlp, "norms": norms, "dropout_masks": resid_masks}
+    if sp > 1:
+        out["ulysses"] = _ulysses_bytes(shape, t, e, sp)
     out["total"] = sum(out.values())
     return out
 
 
 def activation_bytes(shape: ActivationShape, batch_size: int, seq_len: int, dtype_bytes: int = 2,
-                     checkpointing: bool = False, attention: str = "eager", mask_bytes: int = 1) -> Dict[str, int]:
-    """Activation bytes per device for one micro-batch of `batch_size` x `seq_len` tokens.
+                     checkpointing: bool = False, attention: str = "eager", mask_bytes: int = 1,
+                     sequence_parallel: int = 1) -> Dict[str, int]:
+    """Activation bytes per device for one micro-batch of `batch_size` x `seq_len` tokens (split over
+    `sequence_parallel` ranks by Ulysses: per rank).
 
     Returns per_layer (one layer's full activations), layers (what the decoder layers keep for the backward),
     outside (embeddings' ids and masks, final norm, LM head input, the loss's fp32 log-probabilities), stored
     (= layers + outside, held from the forward to the backward), transient and peak (= stored + transient).
     """
-    e, t = dtype_bytes, batch_size * seq_len
-    per_layer = layer_activation_bytes(shape, batch_size, seq_len, e, attention, mask_bytes)["total"]
+    sp = sequence_parallel
+    per_layer = layer_activation_bytes(shape, batch_size, seq_len, dtype_bytes, attention, mask_bytes, sp)["total"]
+    ids = 8 * batch_size * seq_len  # the token ids; under sp the whole sequence's shifted labels, on every rank
+    e, t = dtype_bytes, batch_size * (seq_len // sp)
     logprobs = 4 * t * shape.vocab
-    outside = (8 * t + _norm_bytes(shape, t, e) + e * t * shape.hidden + logprobs
+    outside = (ids + _norm_bytes(shape, t, e) + e * t * shape.hidden + logprobs
                + (mask_bytes * t * shape.hidden if shape.embd_dropout > 0 else 0))
     loss_transient = 2 * logprobs
     if checkpointing:

@@ -13,6 +13,19 @@ intra/inter-host and per-strategy bytes). Beside each: the estimator's plan coun
 
 The other ranks do not exist. The control plane (engine/control.py) answers for them (`SimulatedControl`: every rank
 agrees and runs on host r // K), and the fp16 overflow flag reads "no overflow". What it cannot see: `CANNOT_SEE`.
+
+Long sequences run the real code too: with `sequence_parallel_size` K (or a tiled loss / MLP) the model is prepared
+as HfZeroAccelerator prepares it (integrations/sequence_parallel.py: the Ulysses attention wrapper, the pre-hook that
+cuts the batch to this rank's S/K tokens, the whole sequence's loss) over sp groups made on the fake world, where
+the all-to-alls of q, k, v and the output return at once with tensors of the right shapes.
+
+Device and host: the fake tensors live on the CPU, so the dry run says which bytes the machine it plays keeps in
+host memory: with `offload_optimizer` the fp32 master shards and what the optimizer step allocates (its states
+and temporaries: the update runs on the host), with `offload_params` the parameter shards, and with
+`cpu_checkpointing` the activation checkpoints. The engine's CheckpointStore keeps a checkpoint where it is when
+the compute device is the CPU, so the dry run makes the copies a GPU run makes: a host copy when the store keeps a
+checkpoint (saved-tensor hooks outside the store's, which it hands what it keeps) and a device copy when the
+backward takes it back.
 """
 from __future__ import annotations
 
@@ -20,13 +33,15 @@ import contextlib
 import resource
 import sys
 import time
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...config import ZeroConfig
+from ...engine.activations import CheckpointStore
 from ...engine.control import simulated_hosts
 from ..presets import llama_of_size, names, preset
 from .formulas import hierarchical_comm_elements, model_state_bytes, recipe
@@ -95,10 +110,115 @@ def _fake_world(num_processes: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+class _HostCheckpoints:
+    """Saved-tensor hooks around the forward, outside the engine's CheckpointStore (which hands them what it keeps):
+    a checkpoint the store keeps goes to the host as a copy, booked there, and comes back as a device copy when the
+    backward recomputes, as on a GPU. Everything else autograd saves passes through unchanged."""
+
+    def __init__(self, tracker: LiveBytes) -> None:
+        self.tracker = tracker
+
+    def pack(self, t: torch.Tensor) -> Any:
+        # the store calls its outer pack itself, on what it keeps; autograd calls it for every other saved tensor
+        if sys._getframe(1).f_code is not CheckpointStore.pack.__code__:
+            return t
+        self.tracker.host = True
+        try:
+            return _OnHost(t.detach().clone())
+        finally:
+            self.tracker.host = False
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor.clone() if isinstance(packed, _OnHost) else packed
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class _OnHost:
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class _AllToAlls(TorchDispatchMode):
+    """Counts the all-to-alls (Ulysses' q, k, v and output exchanges), which go to torch.distributed directly rather
+    than through the engine's ledger: calls, and elements and bytes of each call's buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = self.elements = self.bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.c10d.alltoall_base_.default:
+            send = args[1]
+            self.calls += 1
+            self.elements += send.numel()
+            self.bytes += send.numel() * send.element_size()
+        return func(*args, **(kwargs or {}))
+
+    def reset(self) -> None:
+        self.calls = self.elements = self.bytes = 0
+
+
+DRY_RUN_ATTENTION = "hf_zero_dry_run_sdpa"
+
+
+def _unpacked_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
+    """Transformers' sdpa mask as it comes for the dry run's batch on real tensors: one sequence, not packed.
+
+    Without a padding mask or a cache (a training forward under checkpointing or sequence parallelism), Transformers
+    looks at the position ids for packed documents. It cannot read a fake tensor's values, so it takes them as
+    packed and builds a b x 1 x S x S boolean mask (17 GB at 128K tokens) that a real run of the same batch never
+    builds: there the positions are read as one document and the kernel's causal mode runs with no mask. Only that
+    composition is undone (a causal mask function that is not the plain one, no padding, no window, no vmap'd extra
+    mask functions); every other mask is Transformers' own."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    if (kwargs.get("mask_function", causal_mask_function) is not causal_mask_function
+            and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None
+            and not kwargs.get("use_vmap")):
+        kwargs.update(mask_function=causal_mask_function, allow_is_causal_skip=True)
+    return sdpa_mask(*args, **kwargs)
+
+
+def _attend_as_on_real_tensors(model: nn.Module) -> None:
+    """An sdpa model runs Transformers' sdpa kernel with `_unpacked_sdpa_mask`, registered under DRY_RUN_ATTENTION
+    through Transformers' attention interfaces (as hf_zero registers its Ulysses kernel)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    if DRY_RUN_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(DRY_RUN_ATTENTION, ALL_ATTENTION_FUNCTIONS["sdpa"])
+    if DRY_RUN_ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(DRY_RUN_ATTENTION, _unpacked_sdpa_mask)
+    model.set_attn_implementation(DRY_RUN_ATTENTION)
+
+
+def _prepare_long_sequences(model: nn.Module, config: ZeroConfig, gradient_checkpointing: bool,
+                            cpu_checkpointing: bool) -> None:
+    """What HfZeroAccelerator does to a model before sharding it: sequence parallelism and tiling
+    (`enable_long_sequences`, over sp groups of the fake world), then hf_zero's activation checkpointing."""
+    from ...engine.activations import enable_activation_checkpointing
+    from ...engine.sequence import SequenceGroups
+    from ...integrations.sequence_parallel import enable_long_sequences
+
+    sp = config.sequence_parallel_size
+    if sp > 1 or config.tiled_loss_tokens or config.tiled_mlp_tokens:
+        enable_long_sequences(model, SequenceGroups.build(sp), config.tiled_loss_tokens, config.tiled_mlp_tokens)
+    if gradient_checkpointing:
+        enable_activation_checkpointing(model, "on", cpu_checkpointing)
+
+
 def dry_run(model: Any, config: ZeroConfig, num_processes: int, *, ranks_per_host: Optional[int] = None,
             rank: int = 0, batch_size: int = 1, seq_len: int = 128, micro_batches: int = 1, steps: int = 1,
             max_grad_norm: Optional[float] = 1.0, gradient_checkpointing: bool = False,
-            trace: bool = False, progress: bool = False) -> Dict[str, Any]:
+            cpu_checkpointing: bool = False, trace: bool = False, progress: bool = False) -> Dict[str, Any]:
     """Run one optimizer step of the real engine as rank `rank` of `num_processes` on fake tensors; return what
     it measured (bytes per rank by kind, the peak, the ledger) beside the estimator's figures.
 
@@ -113,7 +233,9 @@ def dry_run(model: Any, config: ZeroConfig, num_processes: int, *, ranks_per_hos
         steps: optimizer steps to run; everything is reported for the last one (2: the steady state, after the
             first backward has fixed the reducer's launch order, as DDP's first iteration fixes its buckets).
         max_grad_norm: clip to this norm (None: no clipping).
-        gradient_checkpointing: Transformers' non-reentrant checkpointing on the model's layers.
+        gradient_checkpointing: hf_zero's activation checkpointing on the model's layers (torch's non-reentrant
+            checkpoint), as HfZeroAccelerator installs it.
+        cpu_checkpointing: the checkpoints in host memory (P_a+cpu); needs gradient_checkpointing.
         trace: also return the ledger's every call of the step, in order (`"trace"`: kind, elements, bytes, inter).
     """
     if not 1 <= num_processes <= 65536:
@@ -126,6 +248,15 @@ def dry_run(model: Any, config: ZeroConfig, num_processes: int, *, ranks_per_hos
                          f"same number of ranks")
     if batch_size < 1 or seq_len < 1 or micro_batches < 1 or steps < 1:
         raise ValueError("batch_size, seq_len, micro_batches and steps must be at least 1")
+    if cpu_checkpointing and not gradient_checkpointing:
+        raise ValueError("cpu_checkpointing keeps activation checkpoints in host memory, so it needs "
+                         "gradient_checkpointing (--gradient-checkpointing)")
+    sp = config.sequence_parallel_size
+    if num_processes % sp:
+        raise ValueError(f"sequence_parallel_size={sp} does not divide num_processes {num_processes}")
+    if seq_len % sp:
+        raise ValueError(f"seq_len {seq_len} is not a multiple of sequence_parallel_size={sp}: each sp rank holds "
+                         f"seq_len / {sp} tokens")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ...engine.engine import shard_model
@@ -138,21 +269,29 @@ def dry_run(model: Any, config: ZeroConfig, num_processes: int, *, ranks_per_hos
     bar = tqdm(total=2 + steps * (1 + 2 * micro_batches), desc="dry run (meta, shard, forward/backward, step)", file=sys.stderr,
                leave=False, disable=not progress)
     meta = _meta_model(model)
-    if gradient_checkpointing:
-        meta.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _attend_as_on_real_tensors(meta)
     seconds["build_meta"] = time.perf_counter() - t
     bar.update()
+    offload = config.offload_optimizer == "cpu"
+    all_to_alls = _AllToAlls()
+    kept: Tuple[int, int] = (0, 0)
     with _fake_world(num_processes, rank), simulated_hosts(k), \
             FakeTensorMode(allow_non_fake_inputs=True):  # the meta model is the one real input
         engine = None
         tracker = LiveBytes(lambda: engine.gathered.now if engine is not None and engine.gatherer is not None else 0)
-        with tracker:
+        host_checkpoints = _HostCheckpoints(tracker)
+        with tracker, all_to_alls if sp > 1 else contextlib.nullcontext():
             t = time.perf_counter()
             fake = _fake_cpu(meta)
+            _prepare_long_sequences(fake, config, gradient_checkpointing, cpu_checkpointing)
             optimizer = torch.optim.AdamW(fake.parameters(), lr=1e-4)
             engine = shard_model(fake, optimizer, config)
             if engine.gatherer is not None:  # resized outside any op: counted by the engine (`gathered`)
                 tracker.exclude(g.full for g in engine.groups)
+            if offload:  # ZeRO-Offload's own fp32 copy of the shard (the step's input and output)
+                tracker.to_host(g.master for g in engine.groups if g.master is not None and not g.master_is_shard)
+            if config.offload_params == "cpu":
+                tracker.to_host(g.shard for g in engine.groups if g.residency.sharded)
             seconds["shard_model"] = time.perf_counter() - t
             bar.update()
             built = engine.memory_stats()
@@ -163,13 +302,16 @@ def dry_run(model: Any, config: ZeroConfig, num_processes: int, *, ranks_per_hos
                 engine.reset_comm_stats()
                 engine.reset_peak_memory_stats()
                 tracker.reset_peak()
+                all_to_alls.reset()
                 t = time.perf_counter()
                 for m in range(micro_batches):
                     ids = torch.randint(0, vocab, (batch_size, seq_len))
                     context = engine.no_sync() if m < micro_batches - 1 else contextlib.nullcontext()
                     with context:
                         tracker.phase = "forward"
-                        loss = fake(input_ids=ids, labels=ids).loss
+                        with host_checkpoints.hooks() if cpu_checkpointing else contextlib.nullcontext():
+                            loss = fake(input_ids=ids, labels=ids).loss
+                        kept = (tracker.live["forward"], tracker.host_live["forward"])
                         bar.update()
                         tracker.phase = "backward"
                         engine.backward(loss)
@@ -178,17 +320,25 @@ def dry_run(model: Any, config: ZeroConfig, num_processes: int, *, ranks_per_hos
                 tracker.phase = "step"
                 if max_grad_norm is not None:
                     engine.clip_grad_norm_(max_grad_norm)
+                tracker.host = offload  # ZeRO-Offload's update runs on the host: its states and temporaries
                 engine.optimizer.step()
+                tracker.host = False
                 engine.optimizer.zero_grad()
                 seconds["step"] = time.perf_counter() - t
                 bar.update()
         bar.close()
         report = _report(engine, config, num_processes, k, rank, micro_batches, built, tracker)
+        report["peak"]["kept_by_forward"] = {"total": kept[0], "host": kept[1]}
+        report["long_sequences"] = {
+            "sequence_parallel_size": sp, "data_parallel_size": num_processes // sp,
+            "tokens_per_rank": batch_size * seq_len // sp, "tiled_loss_tokens": config.tiled_loss_tokens,
+            "tiled_mlp_tokens": config.tiled_mlp_tokens,
+            "all_to_all": {"calls": all_to_alls.calls, "elements": all_to_alls.elements, "bytes": all_to_alls.bytes}}
         if trace:
             report["trace"] = list(engine.comm.ledger.trace)
         engine.close()
     report.update(batch_size=batch_size, seq_len=seq_len, micro_batches=micro_batches, steps=steps,
-                  gradient_checkpointing=gradient_checkpointing,
+                  gradient_checkpointing=gradient_checkpointing, cpu_checkpointing=cpu_checkpointing,
                   seconds={key: round(v, 3) for key, v in seconds.items()},
                   python_peak_rss_growth=_max_rss() - rss0, cannot_see=list(CANNOT_SEE))
     return report
@@ -223,7 +373,10 @@ def _report(engine: Any, config: ZeroConfig, n: int, k: int, rank: int, micro_ba
         "max_live_parameters": config.max_live_parameters if config.stage == 3 else None,
         "after_construction": {key: built[key] for key in ("model_states", "buffers")},
         "peak": {"total": tracker.peak, "at_peak": dict(tracker.at_peak),
-                 "activations": tracker.phase_peak.get("forward", 0)},
+                 "activations": tracker.phase_peak.get("forward", 0),
+                 "device": {"total": tracker.device_peak, "at_peak": dict(tracker.device_at_peak),
+                            "activations": tracker.device_phase_peak.get("forward", 0)},
+                 "host": {"total": tracker.host_peak, "at_peak": dict(tracker.host_at_peak)}},
         "plan": planned,
         "formula": {"model_states": formula, "recipe": "hf_zero's for these settings, no padding"},
         "ledger": {kd: ledger[kd] for kd in kinds + ["total"]},

@@ -31,7 +31,11 @@ def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--dry-run: optimizer steps to run, reporting the last (2: the steady state, once the "
                              "first backward has fixed the gradient buckets' launch order)")
     parser.add_argument("--gradient-checkpointing", action="store_true",
-                        help="--dry-run: Transformers' (non-reentrant) activation checkpointing on the layers")
+                        help="--dry-run: hf_zero's activation checkpointing on the layers (as activation_checkpointing "
+                             "'on' installs it)")
+    parser.add_argument("--cpu-checkpointing", action="store_true",
+                        help="--dry-run, with --gradient-checkpointing: the checkpoints in host memory "
+                             "(cpu_checkpointing, P_a+cpu), reported apart from the device's bytes")
 
 
 def _configs(args: argparse.Namespace) -> Dict[int, ZeroConfig]:
@@ -66,7 +70,8 @@ def misplaced(args: argparse.Namespace) -> List[str]:
                  ("--quantized-frozen-weights", args.quantized_frozen_weights))
     else:
         given = (("--hierarchy", args.hierarchy != "none"), ("--option", bool(args.option)), ("--rank", args.rank != 0),
-                 ("--gradient-checkpointing", args.gradient_checkpointing), ("--steps", args.steps != 1))
+                 ("--gradient-checkpointing", args.gradient_checkpointing), ("--steps", args.steps != 1),
+                 ("--cpu-checkpointing", args.cpu_checkpointing))
     return [flag for flag, present in given if present]
 
 
@@ -87,6 +92,7 @@ def run_dry(args: argparse.Namespace) -> int:
                                    rank=args.rank, batch_size=args.batch_size or 1, seq_len=args.seq_len or 128,
                                    micro_batches=args.micro_batches, steps=args.steps,
                                    gradient_checkpointing=args.gradient_checkpointing,
+                                   cpu_checkpointing=args.cpu_checkpointing,
                                    progress=not args.json and sys.stderr.isatty()))
         except (OSError, ValueError, ZeroConfigError) as exc:
             print(f"hf-zero estimate: error: {exc}", file=sys.stderr)
@@ -104,6 +110,22 @@ def _unit(reports: List[Dict[str, Any]]) -> Tuple[str, float]:
     return ("GB", GB) if largest >= 0.1 * GB else ("MB", 1e6)
 
 
+def _long_sequences(r: Dict[str, Any]) -> str:
+    """The header's note on sequence parallelism, tiling and CPU checkpoints, empty when none is on."""
+    ls = r.get("long_sequences", {})
+    parts = []
+    if ls.get("sequence_parallel_size", 1) > 1:
+        a2a = ls["all_to_all"]
+        parts.append(f"sequence parallel over {ls['sequence_parallel_size']} ranks ({ls['tokens_per_rank']:,} tokens "
+                     f"per rank, {a2a['calls']} all-to-alls of {a2a['bytes'] / 1e9:.3g} GB a step)")
+    for key, what in (("tiled_loss_tokens", "tiled loss"), ("tiled_mlp_tokens", "tiled MLP")):
+        if ls.get(key):
+            parts.append(f"{what} {ls[key]:,} tokens")
+    if r.get("cpu_checkpointing"):
+        parts.append("activation checkpoints in host memory")
+    return "; " + ", ".join(parts) if parts else ""
+
+
 def _elements(d: Dict[str, Any]) -> str:
     return ", ".join(f"{k} {v:.4g}" for k, v in d.items()) or "-"
 
@@ -115,11 +137,13 @@ def render(reports: List[Dict[str, Any]]) -> str:
     lines = [f"Dry run: rank {first['rank']} of N = {first['world_size']} ({first['hosts']} host(s) of "
              f"{first['ranks_per_host']}), Ψ = {first['psi']:,} trainable + {first['frozen']:,} frozen, "
              f"mixed_precision {first['mixed_precision']}, grad_accum_dtype {first['grad_accum_dtype']}, "
-             f"micro-batch {first['batch_size']} x {first['seq_len']}, {first['micro_batches']} per step",
+             f"micro-batch {first['batch_size']} x {first['seq_len']}, {first['micro_batches']} per step"
+             + _long_sequences(first),
              f"model states per rank, {unit} (measured = the engine's memory_stats() after the step; plan = the "
-             "estimator's exact count; formula = the paper's, no padding):"]
+             "estimator's exact count; formula = the paper's, no padding; peak = the most live bytes of the step, on "
+             "the device and in host memory (offload, CPU checkpoints) apart; activations = the forward's most):"]
     header = ["", "params", "grads", "master", "optim", "measured", "plan", "formula", "Δ formula",
-              "peak", "activations"]
+              "peak: device", "host", "activations"]
     rows = []
     for r in reports:
         m = r["measured"]
@@ -127,7 +151,8 @@ def render(reports: List[Dict[str, Any]]) -> str:
         delta = (m["model_states"] - r["formula"]["model_states"]) / max(r["formula"]["model_states"], 1)
         rows.append([label, _g(m["params"]), _g(m["grads"]), _g(m["master"]), _g(m["optimizer_states"]),
                      _g(m["model_states"]), _g(r["plan"]["model_states"]), _g(r["formula"]["model_states"]),
-                     f"{100 * delta:+.2f}%", _g(r["peak"]["total"]), _g(r["peak"]["activations"])])
+                     f"{100 * delta:+.2f}%", _g(r["peak"]["device"]["total"]), _g(r["peak"]["host"]["total"]),
+                     _g(r["peak"]["activations"])])
     lines.append(_table(header, rows))
     lines.append(f"working buffers per rank, {unit}: the step's peak beside the budget the engine keeps it to "
                  "(gradient buckets: comm_buffers_budget; gathered stage-3 parameters: live_parameters_budget, "
