@@ -246,7 +246,7 @@ class HfZeroAccelerator(Accelerator):
         """Under sequence parallelism each data-parallel replica (its sp ranks together) reads distinct samples and
         its sp ranks the same batch, which the model cuts along the sequence; otherwise Accelerate's own."""
         groups = self.sequence_groups
-        if groups.size == 1 or getattr(data_loader, "_is_accelerate_prepared", False):
+        if groups.size == 1 or is_prepared(data_loader):
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         from accelerate.data_loader import prepare_data_loader
 
