@@ -15,6 +15,7 @@ hooks that were active outside (a user's `save_on_cpu`, a profiler, a byte count
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 from typing import Any, Callable, Optional, Tuple
@@ -30,6 +31,11 @@ from .exit import hold
 logger = logging.getLogger("hf_zero")
 
 MODES = ("off", "on", "partitioned")
+
+
+# True while a CheckpointStore hands a checkpoint it keeps to the saved-tensor hooks below its own (outer hooks, e.g.
+# the dry run's, which book it in host memory under cpu_checkpointing); False when autograd calls them itself
+KEEPING_CHECKPOINT: contextvars.ContextVar = contextvars.ContextVar("hf_zero_keeping_checkpoint", default=False)
 
 
 def _outer_hooks() -> Optional[Tuple[Callable, Callable]]:
@@ -83,7 +89,11 @@ class CheckpointStore:
             host.copy_(piece, non_blocking=outer is None)
             piece = host
         if outer is not None:
-            return _Stored(outer[0](piece), x, outer[1])
+            token = KEEPING_CHECKPOINT.set(True)
+            try:
+                return _Stored(outer[0](piece), x, outer[1])
+            finally:
+                KEEPING_CHECKPOINT.reset(token)
         return _Stored(piece, x, None)
 
     def unpack(self, stored: _Stored) -> torch.Tensor:

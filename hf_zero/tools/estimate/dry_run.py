@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...config import ZeroConfig
-from ...engine.activations import CheckpointStore
+from ...engine.activations import KEEPING_CHECKPOINT
 from ...engine.control import simulated_hosts
 from ..presets import llama_of_size, names, preset
 from .formulas import hierarchical_comm_elements, model_state_bytes, recipe
@@ -120,7 +120,7 @@ class _HostCheckpoints:
 
     def pack(self, t: torch.Tensor) -> Any:
         # the store calls its outer pack itself, on what it keeps; autograd calls it for every other saved tensor
-        if sys._getframe(1).f_code is not CheckpointStore.pack.__code__:
+        if not KEEPING_CHECKPOINT.get():
             return t
         self.tracker.host = True
         try:
