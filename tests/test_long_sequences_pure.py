@@ -20,6 +20,19 @@ def _llama(seed=0, kv=2):
                                         tie_word_embeddings=False, attn_implementation="sdpa"))
 
 
+class _Rsqrts(torch.overrides.TorchFunctionMode):
+    """Records how many tokens each torch.rsqrt call of a [B, tokens, 1] tensor covers (RMSNorm's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.rsqrt and args[0].dim() == 3:
+            self.tokens.append(args[0].shape[1])
+        return func(*args, **(kwargs or {}))
+
+
 def _batch():
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 64, (2, 13), generator=g)
@@ -36,9 +49,10 @@ def test_tiled_loss_and_mlp_equal_the_model_and_never_hold_more_than_a_tile():
     tiled.model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, a, o: seen["mlp"].append(a[0].shape[-2]))
     ids, labels = _batch()
     ref = plain(input_ids=ids, labels=labels)
-    got = tiled(input_ids=ids, labels=labels)
     ref.loss.backward()
-    got.loss.backward()
+    with _Rsqrts() as norms:  # every RMSNorm (2 per layer and the final one) computes rsqrt over [B, tokens, 1]
+        got = tiled(input_ids=ids, labels=labels)
+        got.loss.backward()
     torch.testing.assert_close(got.loss, ref.loss, rtol=1e-6, atol=1e-6)
     for (name, p), q in zip(plain.named_parameters(), tiled.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
@@ -47,6 +61,9 @@ def test_tiled_loss_and_mlp_equal_the_model_and_never_hold_more_than_a_tile():
     assert max(seen["head"]) <= 5 and seen["head"].count(5) == 10, seen["head"]  # 5 tiles, again in the backward
     # the MLP's own call gets 1 token, the tiles 3 (13 = 3 + 3 + 3 + 3 + 1), again in the backward's recompute
     assert max(seen["mlp"]) <= 3 and seen["mlp"].count(3) == 8, seen["mlp"]
+    # the norms are tiled too: 5 norms x 4 tiles of 3 tokens in the forward (a function mode does not see the
+    # backward's recompute; the MLP's hook above shows the tiles recomputed)
+    assert norms.tokens and max(norms.tokens) <= 3 and norms.tokens.count(3) == 5 * 4, norms.tokens
 
 
 def test_tiled_loss_divides_by_num_items_in_batch_as_transformers_does():

@@ -151,6 +151,12 @@ def _transformers_model(model: nn.Module) -> nn.Module:
     return inner
 
 
+def _is_norm(module: nn.Module) -> bool:
+    # LayerNorm / RMSNorm over the last dimension (Transformers' XxxRMSNorm classes): position-wise; a norm over
+    # heads ([B, S, H, D], Qwen3's q_norm) is left whole by the tiles' 3-dimension check
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("RMSNorm")
+
+
 def _keep_hidden(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
     sequence = kwargs.get(KWARG)
     if sequence is not None:
@@ -161,7 +167,7 @@ def enable_long_sequences(model: nn.Module, groups: SequenceGroups, tiled_loss_t
                           tiled_mlp_tokens: int = 0) -> None:
     """Make `model` (a Transformers causal LM, or a PEFT model of one) split every forward's sequence across
     `groups`' sp ranks (when there are several), compute its loss over tiles of `tiled_loss_tokens` tokens and its
-    MLPs over tiles of `tiled_mlp_tokens` (when not 0)."""
+    MLPs and norms over tiles of `tiled_mlp_tokens` (when not 0)."""
     inner = _transformers_model(model)
     config = inner.config
     loss_type = getattr(inner, "loss_type", None) or "ForCausalLM"
@@ -180,13 +186,16 @@ def enable_long_sequences(model: nn.Module, groups: SequenceGroups, tiled_loss_t
         inner.base_model.register_forward_hook(_keep_hidden, with_kwargs=True)
     if not isinstance(getattr(inner, "_loss_function", None), SequenceParallelLoss):
         inner.loss_function = SequenceParallelLoss(inner.loss_function, head, tiled_loss_tokens)
-    mlps = 0
+    mlps = norms = 0
     if tiled_mlp_tokens:
         tiled = TiledMLP(tiled_mlp_tokens)
         for name, module in inner.named_modules():
             if name.rsplit(".", 1)[-1] == "mlp":
                 tiled.attach(module)
                 mlps += 1
+            elif _is_norm(module):  # position-wise too: its fp32 upcasts are the largest per-token tensors left
+                tiled.attach(module)
+                norms += 1
         if not mlps:
             raise ValueError(f"tiled_mlp_tokens tiles the decoder layers' modules named 'mlp', and "
                              f"{type(inner).__name__} has none: set tiled_mlp_tokens=0")
@@ -206,4 +215,4 @@ def enable_long_sequences(model: nn.Module, groups: SequenceGroups, tiled_loss_t
     logger.info("hf_zero: sequence parallelism over %d ranks (%d data-parallel replicas), attention %s; tiled loss "
                 "%s, tiled MLP %s", groups.size, groups.data_parallel_size, config._attn_implementation,
                 f"{tiled_loss_tokens} tokens" if tiled_loss_tokens else "off",
-                f"{tiled_mlp_tokens} tokens in {mlps} MLPs" if tiled_mlp_tokens else "off")
+                f"{tiled_mlp_tokens} tokens in {mlps} MLPs and {norms} norms" if tiled_mlp_tokens else "off")

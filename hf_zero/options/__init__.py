@@ -276,8 +276,9 @@ OPTIONS: Tuple[Option, ...] = (
            "tokens, recomputed in the backward, so the [sequence, vocab] logits never exist whole; outputs.logits then "
            "holds the last position's logits only (as logits_to_keep=1). 0 = off."),
     Option("tiled_mlp_tokens", 0, Integer(0, "tokens per tile; 0: off"),
-           "Tiled MLP: each decoder layer's MLP runs over tiles of this many tokens, recomputed in the backward, so its "
-           "[sequence, intermediate] activations never exist whole. 0 = off."),
+           "Tiled MLP: each decoder layer's MLP and norms run over tiles of this many tokens, recomputed in the "
+           "backward, so the MLP's [sequence, intermediate] activations and the norms' fp32 copies never exist whole. "
+           "0 = off."),
 )
 
 BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}

@@ -37,7 +37,8 @@ def _contiguous_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class TiledMLP:
-    """Forward hooks that run a position-wise module ([B, S, H] -> [B, S, H]) over tiles of the sequence.
+    """Forward hooks that run a position-wise module ([B, S, H] -> [B, S, H]: an MLP, a norm) over tiles of the
+    sequence.
 
     The pre-hook keeps the input and hands the module's own forward one token (its output is dropped: no model code
     changes, and modules that cannot take zero tokens still run); the forward hook returns the tiles' outputs, each
