@@ -163,43 +163,6 @@ class _AllToAlls(TorchDispatchMode):
         self.calls = self.elements = self.bytes = 0
 
 
-DRY_RUN_ATTENTION = "hf_zero_dry_run_sdpa"
-
-
-def _unpacked_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
-    """Transformers' sdpa mask as it comes for the dry run's batch on real tensors: one sequence, not packed.
-
-    Without a padding mask or a cache (a training forward under checkpointing or sequence parallelism), Transformers
-    looks at the position ids for packed documents. It cannot read a fake tensor's values, so it takes them as
-    packed and builds a b x 1 x S x S boolean mask (17 GB at 128K tokens) that a real run of the same batch never
-    builds: there the positions are read as one document and the kernel's causal mode runs with no mask. Only that
-    composition is undone (a causal mask function that is not the plain one, no padding, no window, no vmap'd extra
-    mask functions); every other mask is Transformers' own."""
-    from transformers.masking_utils import causal_mask_function, sdpa_mask
-
-    if (kwargs.get("mask_function", causal_mask_function) is not causal_mask_function
-            and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None
-            and not kwargs.get("use_vmap")):
-        kwargs.update(mask_function=causal_mask_function, allow_is_causal_skip=True)
-    return sdpa_mask(*args, **kwargs)
-
-
-def _attend_as_on_real_tensors(model: nn.Module) -> None:
-    """An sdpa model runs Transformers' sdpa kernel with `_unpacked_sdpa_mask`, registered under DRY_RUN_ATTENTION
-    through Transformers' attention interfaces (as hf_zero registers its Ulysses kernel)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return
-    if DRY_RUN_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(DRY_RUN_ATTENTION, ALL_ATTENTION_FUNCTIONS["sdpa"])
-    if DRY_RUN_ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionMaskInterface.register(DRY_RUN_ATTENTION, _unpacked_sdpa_mask)
-    model.set_attn_implementation(DRY_RUN_ATTENTION)
-
-
 def _prepare_long_sequences(model: nn.Module, config: ZeroConfig, gradient_checkpointing: bool,
                             cpu_checkpointing: bool) -> None:
     """What HfZeroAccelerator does to a model before sharding it: sequence parallelism and tiling
@@ -269,7 +232,9 @@ def dry_run(model: Any, config: ZeroConfig, num_processes: int, *, ranks_per_hos
     bar = tqdm(total=2 + steps * (1 + 2 * micro_batches), desc="dry run (meta, shard, forward/backward, step)", file=sys.stderr,
                leave=False, disable=not progress)
     meta = _meta_model(model)
-    _attend_as_on_real_tensors(meta)
+    from ...integrations.hf_models import attend_as_on_real_tensors
+
+    attend_as_on_real_tensors(meta)
     seconds["build_meta"] = time.perf_counter() - t
     bar.update()
     offload = config.offload_optimizer == "cpu"
