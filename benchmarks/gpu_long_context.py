@@ -214,6 +214,15 @@ def predict_s(seq: int, trials: List[Dict[str, Any]], steps: int) -> Optional[fl
     return 1.1 * (max(setup, 0.0) + steps * (a * seq + b * seq * seq))
 
 
+def _inconclusive(record: Optional[Dict[str, Any]]) -> bool:
+    """A trial that neither fit nor ran out of memory (skipped for the budget, timed out, failed otherwise)."""
+    return record is None or record["status"] not in ("fit",) + FAILED
+
+
+def _why_stopped(record: Optional[Dict[str, Any]]) -> str:
+    return "budget" if record is None or record["status"] == "timeout" else "error"
+
+
 def search(run: Callable[[int, float], Dict[str, Any]], start: int, cap: int, deadline: float, steps: int = 2,
            bisections: int = 2, granule: int = 1024, trials: Optional[List[Dict[str, Any]]] = None,
            now: Callable[[], float] = time.monotonic) -> Dict[str, Any]:
@@ -255,8 +264,8 @@ def search(run: Callable[[int, float], Dict[str, Any]], start: int, cap: int, de
         seq = (fail // 2) // granule * granule
         while seq >= granule:
             record = attempt(seq)
-            if record is None or record["status"] not in ("fit",) + FAILED:
-                limited_by = "budget" if record is None or record["status"] == "timeout" else "error"
+            if _inconclusive(record):
+                limited_by = _why_stopped(record)
                 break
             if record["status"] == "fit":
                 fit = seq
@@ -269,8 +278,8 @@ def search(run: Callable[[int, float], Dict[str, Any]], start: int, cap: int, de
         if not fit < mid < fail:
             break
         record = attempt(mid)
-        if record is None or record["status"] not in ("fit",) + FAILED:
-            limited_by = "budget" if record is None or record["status"] == "timeout" else "error"
+        if _inconclusive(record):
+            limited_by = _why_stopped(record)
             break
         if record["status"] == "fit":
             fit = mid
