@@ -486,9 +486,10 @@ def test_dry_run_through_the_engine_paths(name, options, precision):
         want["model_states"] += want["params"]
     assert {k: out["measured"][k] for k in KEYS} == want, name
     host = out["peak"]["host"]
-    if "offload_optimizer" in options:  # the host holds the fp32 master and the parameter shards from the start,
-        assert host["at_peak"]["model"] == want["master"] + want["params"]  # and the Adam states from the step
-        assert host["total"] >= want["master"] + want["params"] + want["optimizer_states"]
+    if "offload_optimizer" in options:  # the host holds the fp32 master, the parameter shards and (stage 3) the
+        # gradient shards from the start, and the Adam states from the step
+        assert host["at_peak"]["model"] == want["master"] + want["params"] + want["grads"]
+        assert host["total"] >= want["master"] + want["params"] + want["grads"] + want["optimizer_states"]
         assert out["peak"]["device"]["total"] <= out["peak"]["total"] - host["at_peak"]["model"]
     else:
         assert host["total"] == 0 and out["peak"]["device"]["total"] == out["peak"]["total"]
@@ -500,6 +501,25 @@ def test_dry_run_through_the_engine_paths(name, options, precision):
         groups = [g for g in layout(shapes, n) if g.trainable]
         assert out["measured"]["error_feedback"] == sum(4 * (g.padded + g.padded // k) for g in groups)
         assert "quantized-int4" in out["ledger_by_strategy"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_offload_keeps_only_the_compute_dtype_parameters_on_the_device(stage):
+    """ZeRO-Offload's placement (Ren et al. 2021, bf16 for fp16): the device keeps the 2-byte parameters (all of
+    them at stage 2, the rank's 1/N at stage 3); the host the fp32 master and the fp32 gradient shard (4 + 4 bytes
+    per owned element) from construction on, and Adam's two states (8 bytes) from the step. Counted from the
+    shapes (tests/_flat_layout.py), module buffers on the device."""
+    n = 4
+    with torch.device("meta"):
+        shapes = models.make_model("llama")
+    out = dry_run(models._config("llama"), ZeroConfig(stage=stage, offload_optimizer="cpu", mixed_precision="bf16"),
+                  n, seq_len=SEQ, micro_batches=MICRO)
+    want = state_bytes(shapes, n, stage, 0, mixed_precision="bf16")
+    buffers = sum(b.numel() * b.element_size() for b in models.make_model("llama").buffers())
+    shard = want["master"] // 4  # owned elements
+    assert want["grads"] == 4 * shard and want["params"] == 2 * shard * (n if stage == 2 else 1)
+    assert out["peak"]["device"]["at_peak"]["model"] == want["params"] + buffers
+    assert out["peak"]["host"]["at_peak"] == {"model": 8 * shard, "step": want["optimizer_states"]}
 
 
 @pytest.mark.parametrize("name,params", [("meta-llama/Llama-2-7b-hf", 6_738_415_616),

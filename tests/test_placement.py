@@ -93,10 +93,12 @@ def test_offload_places_each_model_state_where_the_config_says(saved_llama, stag
     collectives return at once, the other ranks are not there), then one backward and one step. Where each model
     state lands is what docs/offload.md and the config's help say, whatever the engine reports about itself:
 
-    - the model's parameters, the gradient shards: the compute device (the placement rule: a meta model loading
+    - the model's parameters: the compute device (the placement rule: a meta model loading
       under a backend that runs CUDA collectives on something other than gloo computes on the current GPU when
       there is one, else on the CPU); parameters in the compute dtype, gradients accumulated in fp32;
     - parameter shards: host memory with offload_params="cpu", else the compute device;
+    - gradient shards (fp32): host memory with offload_optimizer="cpu" at stages 2/3, as ZeRO-Offload places them
+      (pinned when the compute device is a GPU), else the compute device;
     - the fp32 master shard and Adam's exp_avg / exp_avg_sq: host memory with offload_optimizer="cpu" (the master a
       copy of its own, pinned when the compute device is a GPU), else the compute device; the optimizer steps views
       of the master (its segments share the master's storage);
@@ -121,7 +123,8 @@ def test_offload_places_each_model_state_where_the_config_says(saved_llama, stag
     compute = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else CPU
     dtype = {"no": torch.float32, "bf16": torch.bfloat16}[mp]
     where = {"master": host if offload_optimizer == "cpu" else compute,
-             "shard": host if offload_params == "cpu" else compute}
+             "shard": host if offload_params == "cpu" else compute,
+             "grads": host if offload_optimizer == "cpu" and stage >= 2 else compute}
     config = ZeroConfig(stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
                         mixed_precision=mp)
     assert not dist.is_initialized()
@@ -159,8 +162,9 @@ def test_offload_places_each_model_state_where_the_config_says(saved_llama, stag
             assert p.device == compute and p.dtype == dtype, name
         masters = {g.master.untyped_storage().data_ptr() for g in engine.groups}
         for g in engine.groups:
-            assert g.grad_shard.device == compute and g.grad_shard.dtype == torch.float32, g.plan.index
+            assert g.grad_shard.device == where["grads"] and g.grad_shard.dtype == torch.float32, g.plan.index
             assert g.grad_shard.numel() == g.plan.shard_numel
+            assert g.grad_shard.is_pinned() == (where["grads"] == host != compute)  # async copies from a GPU
         states = 0
         for group in engine.optimizer.param_groups:
             for seg in group["params"]:
@@ -173,8 +177,8 @@ def test_offload_places_each_model_state_where_the_config_says(saved_llama, stag
         want = state_bytes(reference, N, stage, RANK, mixed_precision=mp)
         assert states == want["optimizer_states"]
         master = want["master"] if mp != "no" else (want["params"] if offload_optimizer == "cpu" else 0)
-        offloaded = (master + want["optimizer_states"] if offload_optimizer == "cpu" else 0) + (
-            want["params"] if offload_params == "cpu" else 0)
+        offloaded = (master + want["optimizer_states"] + (want["grads"] if stage >= 2 else 0)
+                     if offload_optimizer == "cpu" else 0) + (want["params"] if offload_params == "cpu" else 0)
         assert engine.memory_stats()["offloaded"] == offloaded
         engine.close()
     finally:

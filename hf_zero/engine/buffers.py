@@ -120,7 +120,8 @@ class FlatGroup:
     - `master`: the owned range in the master dtype (fp32 under mixed precision); the same tensor as `shard`
       when dtypes and devices agree (pure fp32 keeps no second copy).
     - `grad_full` (stages 0/1): padded full gradient accumulator; `grad_shard`: the owned range of the reduced
-      gradient (a view of `grad_full` at stages 0/1, its own storage at 2/3). The engine allocates them when it
+      gradient (a view of `grad_full` at stages 0/1, its own storage at 2/3: in host memory under offload_optimizer,
+      `grad_device`). The engine allocates them when it
       builds the group, except for a model read from its files: there they come with the first backward (as
       FSDP2's do), so that loading never holds more than the parameters.
     """
@@ -130,7 +131,7 @@ class FlatGroup:
                  device: torch.device, master_dtype: Optional[torch.dtype], master_device: torch.device,
                  accum_dtype: torch.dtype, values: torch.Tensor, shard_device: torch.device,
                  offload_master: bool = False, values_lo: int = 0, frozen_block: Optional[int] = None,
-                 unit_state: Optional[UnitState] = None) -> None:
+                 unit_state: Optional[UnitState] = None, grad_device: Optional[torch.device] = None) -> None:
         self.plan, self.params, self.rank = plan, params, rank
         self.gradients, self.residency = policies  # policies.py: the stage, read once
         self.device = device
@@ -174,6 +175,10 @@ class FlatGroup:
         self._grad_full: Optional[torch.Tensor] = None
         self._grad_shard: Optional[torch.Tensor] = None
         self._accum_dtype = accum_dtype
+        # where the gradient shard lives: host memory under ZeRO-Offload at stages 2/3 (host_grads.py); the
+        # full-size accumulator of stages 0/1 stays on the device, where the backward adds into it
+        self.grads_on_host = grad_device is not None and plan.trainable and not self.gradients.full_accumulator
+        self._grad_device = grad_device if self.grads_on_host else device
         if plan.trainable:
             if master_dtype == plan.dtype and master_device == self.shard.device and not offload_master:
                 self.master = self.shard
@@ -190,7 +195,8 @@ class FlatGroup:
             self._grad_full = torch.zeros(self.plan.padded_numel, dtype=self._accum_dtype, device=self.device)
             self._grad_shard = self._grad_full[self.lo:self.hi]
         else:
-            self._grad_shard = torch.zeros(self.plan.shard_numel, dtype=self._accum_dtype, device=self.device)
+            self._grad_shard = torch.zeros(self.plan.shard_numel, dtype=self._accum_dtype, device=self._grad_device,
+                                           pin_memory=self.grads_on_host and self.device.type != "cpu")
 
     @property
     def grad_full(self) -> Optional[torch.Tensor]:

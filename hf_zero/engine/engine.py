@@ -229,7 +229,8 @@ class ZeroEngine:
             groups.append(FlatGroup(gp, members, self.policies, rank, self.device, master_dtype, master_device, accum,
                                     full, shard_device, offload_master=cfg.offload_optimizer == "cpu",
                                     values_lo=lo, frozen_block=frozen_block,
-                                    unit_state=self.unit_states[gp.unit] if sharded else None))
+                                    unit_state=self.unit_states[gp.unit] if sharded else None,
+                                    grad_device=master_device if cfg.offload_optimizer == "cpu" else None))
             if loader is None:  # a model read from its files gets its gradients at the first backward (peak)
                 groups[-1].allocate_grads()
             del full
@@ -396,9 +397,10 @@ class ZeroEngine:
                     opt += v.numel() * v.element_size()
         out["optimizer_states"] = opt
         out["model_states"] = out["params"] + out["grads"] + out["master"] + opt
-        # ZeRO-Offload: the model states placed in host memory by the config (master + optimizer states; the
-        # parameter shards too with offload_params), whatever the compute device is
-        out["offloaded"] = (out["master"] + opt if self.config.offload_optimizer == "cpu" else 0) + (
+        # ZeRO-Offload: the model states placed in host memory by the config (master + optimizer states, and the
+        # gradient shards at stages 2/3; the parameter shards too with offload_params), whatever the compute device is
+        host_grads = sum(g.state_bytes()["grads"] for g in self.groups if g.grads_on_host)
+        out["offloaded"] = (out["master"] + opt + host_grads if self.config.offload_optimizer == "cpu" else 0) + (
             out["params"] if self.config.offload_params == "cpu" else 0)
         out["module_buffers"] = sum(b.numel() * b.element_size() for b in self.model.buffers())
         out["comm_buffers"] = self.pool.reserved_bytes  # C_B: gradient buckets and reduce-scatter outputs, reused

@@ -241,7 +241,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if max_norm != float("inf"):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             for s in shards:
-                s.mul_(coef.to(s.dtype))
+                s.mul_(coef.to(device=s.device, dtype=s.dtype))  # host shards under ZeRO-Offload
         return total
 
     @torch.no_grad()

@@ -7,7 +7,7 @@
 - stages 2/3: every micro-batch's backward reduces a group as soon as its gradients have all arrived: they are
   copied into a bucket of at most C_B (`reduce_bucket_size`; a group larger than that, one parameter larger than a
   bucket, goes out in column chunks of its [P, S] view), the bucket is reduce-scattered and the owned range added
-  into the (fp32) gradient shard. A group that fits one bucket takes it at its first gradient and each gradient is
+  into the (fp32) gradient shard (in host memory under offload_optimizer: host_grads.py). A group that fits one bucket takes it at its first gradient and each gradient is
   copied in as it arrives; column chunks, and a bucket the budget has no room for yet, wait at launch, their
   gradients held where autograd put them until then. Buckets come from a pool of C_B slabs, taken only while the
   buckets in flight stay within the budget (`comm_buffers_budget`): a constant, whatever the model's size.
@@ -40,6 +40,7 @@ from torch import nn
 
 from .buffers import BufferPool, FlatGroup
 from .comm import Comm, Handle
+from .host_grads import HostGradients
 from .policies import GradientPolicy
 from .profiling import phase
 from .routes import column_chunks, gradient_tag
@@ -176,6 +177,7 @@ class Reducer:
         self.world_size = world_size or comm.world_size  # N: every rank's gradient is in the sum
         self.bucket_bytes, self.budget_bytes = bucket_bytes, budget_bytes
         self.agree = agree if agree is not None else (lambda obj: obj)
+        self.into_shards = HostGradients()  # ZeRO-Offload: shards in host memory get their ranges by async copies
         columns = columns if columns is not None else reduction_columns(groups, policy, reduce_dtype, bucket_bytes)
         self.states: List[_GroupState] = []
         for g in groups:
@@ -318,8 +320,8 @@ class Reducer:
             owned = rows[g.lo // s]
 
             def done(owned=owned, bucket=bucket, c0=c0, c1=c1) -> None:
-                g.grad_shard[c0:c1].add_(owned)
-                self.pool.give(bucket)
+                self.into_shards.add(g.grad_shard[c0:c1], owned)
+                self.pool.give(bucket)  # reused on this stream after the copy out of it: ordered
 
             tag = gradient_tag(g.plan, j if len(st.columns) > 1 else None)
             handle = self.route.reduce_scatter(owned, bucket, tag, on_done=done)
@@ -412,6 +414,7 @@ class Reducer:
             for st in self.states:
                 if st.handle is not None:
                     st.handle.wait()
+            self.into_shards.drain()  # the shards are final: host copies added
 
     def finalize(self) -> None:
         """Make every owned gradient range final and averaged (idempotent until the next backward)."""

@@ -20,8 +20,8 @@ cuts the batch to this rank's S/K tokens, the whole sequence's loss) over sp gro
 the all-to-alls of q, k, v and the output return at once with tensors of the right shapes.
 
 Device and host: the fake tensors live on the CPU, so the dry run says which bytes the machine it plays keeps in
-host memory: with `offload_optimizer` the fp32 master shards and what the optimizer step allocates (its states
-and temporaries: the update runs on the host), with `offload_params` the parameter shards, and with
+host memory: with `offload_optimizer` the fp32 master shards, the gradient shards at stages 2/3, and what the
+optimizer step allocates (its states and temporaries: the update runs on the host), with `offload_params` the parameter shards, and with
 `cpu_checkpointing` the activation checkpoints. The engine's CheckpointStore keeps a checkpoint where it is when
 the compute device is the CPU, so the dry run makes the copies a GPU run makes: a host copy when the store keeps a
 checkpoint (saved-tensor hooks outside the store's, which it hands what it keeps) and a device copy when the
@@ -253,8 +253,10 @@ def dry_run(model: Any, config: ZeroConfig, num_processes: int, *, ranks_per_hos
             engine = shard_model(fake, optimizer, config)
             if engine.gatherer is not None:  # resized outside any op: counted by the engine (`gathered`)
                 tracker.exclude(g.full for g in engine.groups)
-            if offload:  # ZeRO-Offload's own fp32 copy of the shard (the step's input and output)
+            if offload:  # ZeRO-Offload's own fp32 copy of the shard (the step's input and output), and at stages 2/3
+                # the gradient shards, which each reduced bucket's owned range is copied into
                 tracker.to_host(g.master for g in engine.groups if g.master is not None and not g.master_is_shard)
+                tracker.to_host(g.grad_shard for g in engine.groups if g.grads_on_host)
             if config.offload_params == "cpu":
                 tracker.to_host(g.shard for g in engine.groups if g.residency.sharded)
             seconds["shard_model"] = time.perf_counter() - t
