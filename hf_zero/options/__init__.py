@@ -140,7 +140,8 @@ OPTIONS: Tuple[Option, ...] = (
            "Module classes (or class names) whose instances are stage-3 units; default: the model's "
            "`_no_split_modules` (HF models), else every direct child of the first `nn.ModuleList`."),
     Option("offload_optimizer", "none", _OFFLOAD,
-           '"none" or "cpu": keep fp32 master shards and optimizer states in CPU memory.',
+           '"none" or "cpu": keep fp32 master shards and optimizer states in CPU memory (and at stages 2/3 the '
+           'gradient shards, copied there as each bucket is reduced), and step them there.',
            question=Question("Offload optimizer states and fp32 master weights to CPU memory? (none/cpu)", 20)),
     Option("offload_params", "none", _OFFLOAD, '"none" or "cpu" (stage 3 only): keep parameter shards in CPU memory.',
            question=Question("Offload parameter shards to CPU memory? (none/cpu)", 30),
