@@ -56,6 +56,20 @@ def loader(data: str, dp: int) -> DataLoader:
     return DataLoader(samples(data, dp), batch_size=BATCH, shuffle=False)
 
 
+def eval_loader(data: str, dp: int) -> DataLoader:
+    """An evaluation set one row longer than a round of the replicas' batches: the last batch is uneven, so
+    gather_for_metrics must cut the rows that even_batches repeats."""
+    return DataLoader(samples(data, dp)[:BATCH * dp + 1], batch_size=BATCH, shuffle=False)
+
+
+def plain_eval_losses(kind: str, state: Dict[str, torch.Tensor], data: str, dp: int) -> List[float]:
+    """The loss of every full batch of `eval_loader` under the weights `state`, in plain Transformers."""
+    model = make_model(kind)
+    model.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        return [model(**b).loss.item() for b in eval_loader(data, dp) if len(b["input_ids"]) == BATCH]
+
+
 def plain_training(kind: str, data: str, dp: int):
     """Single-process training on what dp replicas read (replica d reads batches d, d + dp, ...: Accelerate's
     sharding), each replica's loss averaged as DDP averages gradients. Returns (losses per replica, the gradient

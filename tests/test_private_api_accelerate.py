@@ -163,6 +163,7 @@ OVERRIDES = {
     "prepare_model": ("model", "device_placement", "evaluation_mode"),
     "prepare_optimizer": ("optimizer", "device_placement"),
     "prepare_data_loader": ("data_loader", "device_placement", "slice_fn_for_dispatch"),
+    "gather_for_metrics": ("input_data", "use_gather_object"),
     "backward": ("loss", "kwargs"),
     "no_sync": ("model",),
     "clip_grad_norm_": ("parameters", "max_norm", "norm_type"),

@@ -87,6 +87,19 @@ def test_sequence_parallel_matches_plain_training(launched, world, case):
                                    msg=lambda m: f"rank {rank}, gradient norms: {m}")
     state = load_file(str(out / f"{case['name']}.safetensors"))
     assert set(state) <= set(ref_state) and "lm_head.weight" in state or case["kind"] == "gpt2"
+    # gather_for_metrics: every evaluation row once, in the dataset's order, as plain data parallelism over the
+    # replicas gathers them (not sp times; the last uneven batch cut), and each full batch's loss is plain's
+    rows = [b["input_ids"].tolist() for b in sp_cases.eval_loader(case["data"], dp)]
+    rows = [r for b in rows for r in b]
+    ref_eval = sp_cases.plain_eval_losses(case["kind"], ref_state, case["data"], dp)
+    for rank in range(world):
+        ev = json.load(open(out / f"{case['name']}.rank{rank}.json"))["eval"]
+        assert ev["ids"] == rows, f"rank {rank}: gathered rows"
+        assert ev["first_tokens"] == [r[0] for r in rows], f"rank {rank}: gathered objects"
+        assert len(ev["losses"]) == len(rows)
+        full = [loss for loss in ref_eval for _ in range(sp_cases.BATCH)]
+        torch.testing.assert_close(torch.tensor(ev["losses"][:len(full)]), torch.tensor(full), rtol=1e-4,
+                                   atol=1e-5, msg=lambda m: f"rank {rank}, evaluation losses: {m}")
     for name, value in state.items():
         # AdamW divides by the root of the second moment, so a gradient element near zero moves by up to lr: the
         # float rounding of the sums (chunks instead of whole sequences) shows there at ~1e-5 of lr = 1e-2

@@ -227,17 +227,17 @@ def test_parallelism_config_sp_is_refused_with_the_plugin_option_named():
         check_trainer(trainer, 2)
 
 
-def test_the_trainer_evaluation_loop_gathers_through_gather_function():
-    """ZeroTrainerMixin.gather_function (a property: the Trainer assigns Accelerate's gather_for_metrics to it)
-    reaches the evaluation loss only while the Trainer's evaluation loop calls that attribute."""
+def test_the_trainer_evaluation_loop_gathers_through_the_accelerators_gather_for_metrics():
+    """The Trainer sets gather_function to its accelerator's gather_for_metrics (HfZeroAccelerator's, which takes
+    each sp replica once) and its evaluation loop gathers through that attribute: while both hold, the evaluation
+    loss of the real runs above is the accelerator's."""
     import inspect
 
     from transformers import Trainer
 
-    from hf_zero import ZeroTrainer
-
+    assert "self.gather_function = self.accelerator.gather_for_metrics" in inspect.getsource(
+        Trainer.create_accelerator_and_postprocess)
     assert "self.gather_function(" in inspect.getsource(Trainer.evaluation_loop)
-    assert isinstance(inspect.getattr_static(ZeroTrainer, "gather_function"), property)
 
 
 # ------------------------------------------------------------------------------------------ the padding (quick)

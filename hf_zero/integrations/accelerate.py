@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, gather_object, recursively_apply
 from torch import nn
 
 from ..checkpoint import export_pretrained, push_to_hub, read_manifest, save_checkpoint
@@ -263,6 +263,33 @@ class HfZeroAccelerator(Accelerator):
             non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader)
         Registered(self).dataloaders.append(prepared)
         return prepared
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Accelerate's, except under sequence parallelism: the sp ranks of a replica hold the same batch (and the same
+        whole-sequence loss), so each replica's values are taken once (its sp group's first rank's), then the last
+        uneven batch is cut to the dataset's remainder as Accelerate cuts it (the prepared DataLoader counts the
+        replicas only). Gathering from every rank would repeat each sample sp times and cut the wrong rows."""
+        groups = self.sequence_groups
+        if groups.size == 1:
+            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        dp, sp = groups.data_parallel_size, groups.size
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+            tensors = not use_gather_object
+        except TypeError:
+            tensors = False
+        if tensors:  # rank order: the sp ranks of a replica are consecutive
+            data = recursively_apply(lambda t: t.reshape(dp, sp, -1, *t.shape[1:])[:, 0].reshape(-1, *t.shape[1:]),
+                                     self.gather(input_data))
+        else:
+            every = gather_object([input_data])  # one entry per rank
+            data = [x for replica in every[::sp] for x in (replica if isinstance(replica, list) else [replica])]
+        state = self.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            if tensors:
+                return recursively_apply(lambda t: t[:state.remainder], data)
+            return data[:state.remainder]
+        return data
 
     # ---------------------------------------------------------------- training
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

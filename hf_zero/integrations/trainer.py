@@ -44,8 +44,7 @@ from ._transformers_private import create_accelerator, reading_without_code, sav
 from ._transformers_private import with_globals as _with_globals  # noqa: F401  (re-exported)
 from .accelerate import HfZeroAccelerator
 from .plugin import ZeroPlugin
-from .trainer_sequence import (check_trainer, chunk_loss_scale, gather_replicas_for_metrics, pad_to_multiple,
-                               watch_fused_head)
+from .trainer_sequence import check_trainer, chunk_loss_scale, pad_to_multiple, watch_fused_head
 
 SHARDS_DIR = "zero_shards"
 SCHEDULER_NAME = "scheduler.pt"
@@ -114,20 +113,6 @@ class ZeroTrainerMixin:
         if scale == 1:
             return out
         return (out[0] * scale, out[1]) if return_outputs else out * scale
-
-    @property
-    def gather_function(self) -> Any:
-        """What the Trainer's evaluation loop gathers losses, labels and inputs with (it sets it to Accelerate's
-        gather_for_metrics); under sequence parallelism each replica's values once, as its sp ranks hold them alike."""
-        gather = self.__dict__.get("_gather_function")
-        if gather is None or self._sequence_parallel_size() == 1:
-            return gather
-        return functools.partial(gather_replicas_for_metrics, self.accelerator,
-                                 use_gather_object=self.args.eval_use_gather_object)
-
-    @gather_function.setter
-    def gather_function(self, value: Any) -> None:
-        self.__dict__["_gather_function"] = value
 
     def _track_num_input_tokens(self, inputs: Dict[str, Any]) -> None:
         """The Trainer sums the tokens of every rank's batch; the sp ranks of a replica hold the same batch, so the

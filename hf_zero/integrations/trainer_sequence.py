@@ -19,7 +19,7 @@ chunk: refused (`watch_fused_head`).
 
 Evaluation: the losses (labels, inputs) the Trainer's evaluation loop gathers are alike on the sp ranks of a replica,
 and Accelerate's gather_for_metrics, which cuts the last uneven batch to the dataset's remainder, assumes every rank
-read distinct rows: `gather_replicas_for_metrics` gathers each replica's once. Predictions are this rank's chunk of
+read distinct rows: HfZeroAccelerator.gather_for_metrics (which the Trainer gathers with) takes each replica's once. Predictions are this rank's chunk of
 the logits: compute_metrics is refused.
 """
 from __future__ import annotations
@@ -29,7 +29,6 @@ import logging
 import math
 from typing import Any, Callable, List
 
-from accelerate.utils import gather_object, recursively_apply
 from torch import nn
 
 logger = logging.getLogger("hf_zero")
@@ -108,31 +107,6 @@ def chunk_loss_scale(trainer: Any, sp: int, forwards: List[bool], num_items_in_b
             f"sequence_parallel_size={sp}: evaluate with sequence_parallel_size=1, or train with labels in the "
             f"batches and a model whose forward takes loss keyword arguments (then the Trainer counts the targets)")
     return sp
-
-
-def gather_replicas_for_metrics(accelerator: Any, data: Any, use_gather_object: bool = False) -> Any:
-    """`accelerator.gather_for_metrics(data)` for values the sp ranks of a replica hold alike: every replica's once
-    (its sp group's first rank's), then the last uneven batch cut to the dataset's remainder as Accelerate cuts it
-    (the prepared DataLoader counts the replicas only)."""
-    groups = accelerator.sequence_groups
-    dp, sp = groups.data_parallel_size, groups.size
-    try:
-        recursively_apply(lambda x: x, data, error_on_other_type=True)
-        tensors = not use_gather_object
-    except TypeError:
-        tensors = False
-    if tensors:  # rank order: the sp ranks of a replica are consecutive
-        data = recursively_apply(lambda t: t.reshape(dp, sp, -1, *t.shape[1:])[:, 0].reshape(-1, *t.shape[1:]),
-                                 accelerator.gather(data))
-    else:
-        every = gather_object([data])  # one entry per rank
-        data = [x for replica in every[::sp] for x in (replica if isinstance(replica, list) else [replica])]
-    state = accelerator.gradient_state
-    if state.end_of_dataloader and state.remainder > 0:
-        if tensors:
-            return recursively_apply(lambda t: t[:state.remainder], data)
-        return data[:state.remainder]
-    return data
 
 
 def _is_sft_trainer(trainer: Any) -> bool:

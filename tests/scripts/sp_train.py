@@ -3,7 +3,8 @@ sequence parallelism (torchrun: every rank runs this), one case after another in
 
 argv: OUT CASES_JSON. Each case: {"name", "kind", "stage", "sp", "data", "plugin" (more ZeroPlugin options), "via"
 ("parallelism_config": sp given as Accelerate's ParallelismConfig(sp_size) instead of the plugin's option)}.
-Writes OUT/<name>.rank<R>.json (the loss every micro-batch printed on this rank, the gradient norm of every step)
+Writes OUT/<name>.rank<R>.json (the loss every micro-batch printed on this rank, the gradient norm of every step,
+what an evaluation loop gathered with gather_for_metrics)
 and, on the main process, OUT/<name>.safetensors (the final weights).
 """
 import json
@@ -45,10 +46,23 @@ def run(case, out):
                 norms.append(float(accelerator.clip_grad_norm_(model.parameters(), sp_cases.MAX_NORM)))
             optimizer.step()
             optimizer.zero_grad()
+    # evaluation, as Accelerate's examples write it: every sample's inputs and its batch's loss gathered once
+    evaluation = {"ids": [], "losses": [], "first_tokens": []}
+    model.eval()
+    with torch.no_grad():
+        for batch in accelerator.prepare_data_loader(
+                sp_cases.eval_loader(case["data"], accelerator.sequence_groups.data_parallel_size)):
+            loss = model(**batch).loss
+            evaluation["ids"] += accelerator.gather_for_metrics(batch["input_ids"]).tolist()
+            evaluation["losses"] += accelerator.gather_for_metrics(loss.repeat(len(batch["input_ids"]))).tolist()
+            evaluation["first_tokens"] += accelerator.gather_for_metrics(batch["input_ids"][:, 0].tolist(),
+                                                                         use_gather_object=True)
+    model.train()
     state = accelerator.get_state_dict(model)
     name = case["name"]
     with open(os.path.join(out, f"{name}.rank{accelerator.process_index}.json"), "w") as f:
-        json.dump({"losses": losses, "norms": norms, "dp_rank": accelerator.sequence_groups.data_parallel_rank}, f)
+        json.dump({"losses": losses, "norms": norms, "dp_rank": accelerator.sequence_groups.data_parallel_rank,
+                   "eval": evaluation}, f)
     if accelerator.is_main_process:
         save_file({k: v.detach().clone() for k, v in state.items()}, os.path.join(out, f"{name}.safetensors"))
     accelerator.wait_for_everyone()
