@@ -3,7 +3,8 @@ single-process training on the data-parallel replicas' full sequences: the loss 
 sp rank: the whole sequence's) and the final weights, at stages 0-3, with accumulation and clipping, with padding,
 packed documents, GQA (KV heads fewer than sp ranks), tied and untied heads, the tiled loss and MLP (with and
 without sp, with activation checkpoints in memory and on the CPU, on one rank too); and the gradient norm every step
-(clip_grad_norm_'s), which AdamW and clipping alone would not check: both forgive a gradient off by a constant.
+(clip_grad_norm_'s), which AdamW and clipping alone would not check: both forgive a gradient off by a constant;
+and what an evaluation loop gathers with gather_for_metrics: every row once, as plain data parallelism gathers it.
 
 The workers run under torchrun (a port the OS hands out), all cases of one world size in one launch
 (tests/scripts/sp_train.py); the reference is plain Transformers + torch AdamW in this process (tests/sp_cases.py).
