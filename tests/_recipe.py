@@ -12,7 +12,7 @@ import copy
 import functools
 import types
 from collections import deque
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -73,14 +73,15 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
                  probe_step: Optional[int] = None, zero_checkpointing: Optional[tuple] = None,
                  offload_optimizer: str = "none", offload_params: str = "none",
                  sync_every_micro_batch: bool = False, zero_options: Optional[dict] = None,
-                 stray_forward: bool = False, final_memory: bool = False) -> Dict[str, Any]:
+                 stray_forward: bool = False, final_memory: bool = False,
+                 after_shard: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]:
     """The recipe through hf_zero on this rank (`sync_every_micro_batch`: never enter no_sync(), so stages 0/1
     reduce after every micro-batch and accumulate on top of reduced sums; `stray_forward`: before each step, one
     more forward with grad enabled whose loss is never backpropagated, as a metric computed in train mode would be).  Records per-step comm_stats (reset at each step's start, read
     after optimizer.step/zero_grad; `final_memory`: memory_stats() after the last step); at `probe_step` (0-based), after the last backward and before clipping,
     records memory_stats and independent byte counts of the tensors the engine holds. `zero_options` may carry
     `collectives` ("flat": the NCCL-shaped collectives on gloo); the run records the strategies it chose and the
-    ledger per strategy."""
+    ledger per strategy. `after_shard(engine)`: called once the engine is built, before the first forward."""
     from hf_zero import ZeroConfig, shard_model
 
     model = models.make_model(kind, variant)
@@ -104,6 +105,8 @@ def engine_train(rank: int, world_size: int, kind: str, variant: str = "full", s
     cfg = ZeroConfig(stage=stage, mixed_precision=mixed_precision, grad_accum_dtype=grad_accum_dtype,
                      offload_optimizer=offload_optimizer, offload_params=offload_params, **kw, **(zero_options or {}))
     engine = shard_model(model, opt, cfg)
+    if after_shard is not None:  # a test's look inside the engine before training
+        after_shard(engine)
     out: Dict[str, Any] = {"init_fp": init_fp, "same_model": engine.model is model, "losses": [], "norms": [],
                            "norm_is_tensor": [], "comm": [], "comm_by_strategy": [], "memory": None,
                            "collectives": sorted(engine.collectives)}

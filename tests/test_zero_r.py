@@ -31,7 +31,32 @@ def scenarios_for(world_size):
     sc += [(f"offload-{name}-s{stage}", offload_train, dict(kind=_kind(stage, i), stage=stage, **kw))
            for i, (name, kw) in enumerate(OFFLOAD.items()) for stage in STAGES
            if stage == 3 or "offload_params" not in kw]
+    sc += [(f"offload-staged-s{stage}", staged_train, dict(kind=_kind(stage, 0), stage=stage)) for stage in (2, 3)]
     return sc
+
+
+def staged_train(rank, world_size, kind, stage):
+    """Offload with every reduced range going to the host gradient shard through the staging queue a GPU uses
+    (engine/host_grads.py: here host and device are one memory, so the queue is forced on), counting the adds that
+    went through it and the most that were still pending when the optimizer read the shards."""
+    from hf_zero.engine.host_grads import HostGradients
+
+    seen = {"staged": 0, "pending_at_step": 0}
+
+    class Counting(HostGradients):
+        def add(self, target, reduced):
+            seen["staged"] += 1
+            super().add(target, reduced)
+
+    def stage_every_add(engine):
+        sink = Counting(staged=True)
+        engine.reducer.into_shards = sink
+        engine.optimizer.register_step_pre_hook(
+            lambda *_: seen.__setitem__("pending_at_step", max(seen["pending_at_step"], len(sink.pending))))
+
+    out = engine_train(rank, world_size, kind, stage=stage, offload_optimizer="cpu", after_shard=stage_every_add)
+    out["staging"] = seen
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +118,17 @@ def test_offload_matches_plain_training_and_places_states_on_host(dist_results, 
         assert stats["offloaded"] == step["bytes"] + params_host + grads_host, (r, stats)
         if params_host:  # stage 3 parameter shards: 4 B per owned element
             assert 4 * psi / WORLD <= params_host <= 4 * (psi / WORLD + 64)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_through_the_staging_queue_matches_plain_training(dist_results, stage):
+    """The GPU's path to host gradient shards (pinned staging, adds behind events) leaves the training exact: the
+    reducer drains the queue before the clip and the step read the shards."""
+    ranks = dist_results(WORLD, f"offload-staged-s{stage}")
+    check_against_reference(ranks, reference_train(_kind(stage, 0), "full", STEPS, ACCUM), WORLD)
+    for r, res in enumerate(ranks):
+        assert res["staging"]["staged"] > 0, f"rank {r}: no add went through the queue"
+        assert res["staging"]["pending_at_step"] == 0, f"rank {r}: the step read shards with copies pending"
 
 
 @pytest.mark.parametrize("stage", STAGES)
