@@ -152,3 +152,40 @@ def test_accelerate_parallelism_config_gives_sp_alone():
         HfZeroAccelerator._take_sequence_parallelism({"parallelism_config": ParallelismConfig(cp_size=2)})
     with pytest.raises(ValueError, match="takes sp_size alone"):
         HfZeroAccelerator._take_sequence_parallelism({"parallelism_config": ParallelismConfig(sp_size=2, tp_size=2)})
+
+
+def _mixtral(**kw):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                            num_experts_per_tok=2, use_cache=False, router_aux_loss_coef=0.5,
+                                            attn_implementation="sdpa", **kw))
+
+
+def test_a_router_loss_per_chunk_or_tile_is_refused():
+    """A MoE's auxiliary load-balancing loss is a product of means over the tokens one forward of its block sees.
+    Tiled MLPs changed it (Transformers' own model: the plain loss differs from the tiled one, shown here), and sp
+    chunks would too: refused, in the config and in the call. The tiled loss alone leaves it plain's."""
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    plain = _mixtral(output_router_logits=True)(input_ids=ids, labels=ids).loss
+    with pytest.raises(ValueError, match="set output_router_logits=False .* or turn tiled_mlp_tokens off"):
+        enable_long_sequences(_mixtral(output_router_logits=True), ONE, tiled_mlp_tokens=5)
+    two = SequenceGroups(size=2, rank=0, group=None, data_parallel_size=1, data_parallel_rank=0)
+    with pytest.raises(ValueError, match="under sequence_parallel_size=2"):
+        enable_long_sequences(_mixtral(output_router_logits=True), two)
+    asked_in_call = _mixtral()
+    enable_long_sequences(asked_in_call, ONE, tiled_mlp_tokens=5)
+    with pytest.raises(ValueError, match="under tiled_mlp_tokens=5"):
+        asked_in_call(input_ids=ids, labels=ids, output_router_logits=True)
+    tiled_loss = _mixtral(output_router_logits=True)
+    enable_long_sequences(tiled_loss, ONE, tiled_loss_tokens=5)
+    torch.testing.assert_close(tiled_loss(input_ids=ids, labels=ids).loss, plain)
+    # what the refusal prevents: Transformers' own model with its MLPs tiled by hand, as the hooks would
+    from hf_zero.engine.sequence.tiled import TiledMLP
+
+    by_hand = _mixtral(output_router_logits=True)
+    for layer in by_hand.model.layers:
+        TiledMLP(5).attach(layer.mlp)
+    assert abs(by_hand(input_ids=ids, labels=ids).loss.item() - plain.item()) > 1e-4

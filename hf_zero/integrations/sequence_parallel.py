@@ -142,6 +142,18 @@ def _check_heads(config: Any, sp: int) -> None:
                          f"{sp} ranks: choose a sequence_parallel_size that {kv} divides, or that divides it")
 
 
+def _check_router_loss(asked: bool, sp: int, tiled_mlp_tokens: int) -> None:
+    """A mixture-of-experts' auxiliary load-balancing loss averages the router's choices over the tokens one forward
+    of its MoE block sees: a chunk under sp, a tile under the tiled MLP. The product of those means is not the whole
+    sequence's, so the loss would silently differ from plain training's. Raises ValueError when it is asked for."""
+    if asked and (sp > 1 or tiled_mlp_tokens):
+        what = f"sequence_parallel_size={sp}" if sp > 1 else f"tiled_mlp_tokens={tiled_mlp_tokens}"
+        raise ValueError(f"output_router_logits adds the router's auxiliary load-balancing loss, which under {what} "
+                         f"would be computed per chunk or tile, not over the whole sequence as in plain training: "
+                         f"set output_router_logits=False (in the config or the call), or turn {what.split('=')[0]} "
+                         f"off")
+
+
 def _transformers_model(model: nn.Module) -> nn.Module:
     # a PEFT model forwards to a Transformers model whose attention and loss function are the ones that run
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -174,6 +186,8 @@ def enable_long_sequences(model: nn.Module, groups: SequenceGroups, tiled_loss_t
     if loss_type != "ForCausalLM":
         raise ValueError(f"sequence parallelism and the tiled loss compute a causal LM's loss; {type(inner).__name__} "
                          f"has loss type {loss_type!r}")
+    text = getattr(config, "get_text_config", lambda: config)()
+    _check_router_loss(bool(getattr(text, "output_router_logits", False)), groups.size, tiled_mlp_tokens)
     if groups.size > 1:
         _check_heads(config, groups.size)
         inner.set_attn_implementation(register_attention(config._attn_implementation))
@@ -209,6 +223,7 @@ def enable_long_sequences(model: nn.Module, groups: SequenceGroups, tiled_loss_t
                                  "(input_ids=..., attention_mask=..., labels=...), as Transformers' Trainer and "
                                  "collators do")
             kwargs = {"input_ids": args[0], **kwargs}
+        _check_router_loss(bool(kwargs.get("output_router_logits")), groups.size, tiled_mlp_tokens)
         return (), _prepare_kwargs(inner, kwargs, groups, bool(tiled_loss_tokens))
 
     model.register_forward_pre_hook(prepare, with_kwargs=True)
