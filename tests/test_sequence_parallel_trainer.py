@@ -186,6 +186,9 @@ def test_sft_packing_with_sequence_parallelism_matches_stock_trl(launched, name)
         assert ranks[replica * SP] == ranks[replica * SP + 1]
     if world == 4:
         assert ranks[0] != ranks[SP]
+    # TRL's logged num_tokens (gathered with gather_for_metrics): every token the replicas read, once, not once per
+    # sp rank; the count is of the rows as hf_zero padded them
+    assert _log(out, name)["num_tokens"][-1] == sum(b["shape"][1] for r in range(0, world, SP) for b in ranks[r])
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

@@ -172,6 +172,7 @@ def run(case, out):
         with open(os.path.join(out, f"{case['name']}.json"), "w") as f:
             json.dump({"losses": [h["loss"] for h in logs if "loss" in h],
                        "norms": [h["grad_norm"] for h in logs if "grad_norm" in h],
+                       "num_tokens": [h["num_tokens"] for h in logs if "num_tokens" in h],  # TRL's
                        "tokens_seen": trainer.state.num_input_tokens_seen,
                        "total_batch": trainer.get_total_train_batch_size(trainer.args),
                        "eval_loss": evaluated.get("eval_loss"), "world": trainer.args.world_size}, f)
