@@ -560,10 +560,10 @@ def _sp_llama(layers):
                 tie_word_embeddings=False, **SP_SHAPE)
 
 
-def _sp_dry(layers, sp, checkpointing, cpu=False, **options):
+def _sp_dry(layers, sp, checkpointing, cpu=False, batch_size=1, **options):
     config = ZeroConfig(stage=3, mixed_precision="bf16", sequence_parallel_size=sp, **options)
     return dry_run(_sp_llama(layers), config, SP_N, seq_len=SP_SEQ, gradient_checkpointing=checkpointing,
-                   cpu_checkpointing=cpu)
+                   cpu_checkpointing=cpu, batch_size=batch_size)
 
 
 @pytest.mark.parametrize("sp,checkpointing", [(2, False), (4, False), (4, True), (1, True)])
@@ -606,6 +606,55 @@ def test_sequence_parallel_dry_run_keeps_the_formulas_activations(sp, checkpoint
         assert a2a["elements"] == 2 * passes * t * (2 * h + 2 * kv * d)
         assert a2a["bytes"] == SP_E * a2a["elements"]
     assert runs[2]["long_sequences"]["tokens_per_rank"] == t
+
+
+# (sp, checkpointing, batch size, tiled_loss_tokens, tiled_mlp_tokens): tiles that divide the rank's tokens and
+# tiles that do not (100), a batch of 2 (MLP tiles are strided views of it, loss tiles cross its rows), and an MLP tile
+# as long as the rank's chunk (256 at sp = 2), which the hooks leave whole
+TILE_CASES = [(1, False, 1, 64, 0), (1, False, 1, 0, 64), (2, False, 2, 100, 64), (4, True, 1, 100, 64),
+              (1, True, 1, 64, 64), (2, False, 1, 0, 256)]
+
+
+@pytest.mark.parametrize("sp,checkpointing,batch,loss_tokens,mlp_tokens", TILE_CASES)
+def test_tiled_dry_run_keeps_the_formulas_activations(sp, checkpointing, batch, loss_tokens, mlp_tokens):
+    """The real tiled loss and tiled MLP (integrations/sequence_parallel.py, engine/sequence/tiled.py) on the fake
+    world, with and without Ulysses and checkpointing: per layer (a 3-layer model less a 2-layer one) the forward keeps
+    the count's layer with tiled MLP and norms, exactly, and the whole forward the count's stored bytes plus what the
+    count leaves out (as in the Ulysses test above). Against the untiled dry run, by hand: the tiled loss keeps no
+    [t, V] fp32 log-probabilities; the tiled MLP keeps, per layer, neither the MLP's [t, f] activations (SwiGLU: gate
+    and up outputs, SiLU's input and output) nor the norms' fp32 copies and 1/rms, but each norm's 16-bit input
+    (two per layer, and the final norm's), e·t·h each."""
+    from hf_zero.integrations.hf_models import config_from_dict
+    from hf_zero.tools.estimate.activations import activation_bytes, activation_shape, layer_activation_bytes
+
+    tiles = dict(tiled_loss_tokens=loss_tokens, tiled_mlp_tokens=mlp_tokens)
+    runs = {layers: _sp_dry(layers, sp, checkpointing, batch_size=batch, **tiles) for layers in (2, 3)}
+    untiled = _sp_dry(2, sp, checkpointing, batch_size=batch)
+    shape = activation_shape(config_from_dict(_sp_llama(2)))
+    t, h, f, v = batch * SP_SEQ // sp, SP_SHAPE["hidden_size"], SP_SHAPE["intermediate_size"], 384
+    kept = {layers: r["peak"]["kept_by_forward"]["total"] for layers, r in runs.items()}
+    per_layer = kept[3] - kept[2]
+    count = layer_activation_bytes(shape, batch, SP_SEQ, SP_E, "sdpa", sequence_parallel=sp,
+                                   tiled_mlp_tokens=mlp_tokens)
+    assert per_layer == (SP_E * t * h if checkpointing else count["total"])
+    mlp_tiled = 0 < mlp_tokens < SP_SEQ // sp
+    norm = 4 * t * h + SP_E * t * h + 4 * t  # one RMSNorm untiled: fp32 input, 16-bit normalised input, 1/rms
+    if mlp_tiled:
+        assert count["mlp"] == SP_E * t * h and count["norms"] == 2 * SP_E * t * h
+    else:
+        assert count == layer_activation_bytes(shape, batch, SP_SEQ, SP_E, "sdpa", sequence_parallel=sp)
+    by_hand = (4 * t * v if loss_tokens else 0)
+    if mlp_tiled:
+        per_layer_saved = SP_E * t * f * 4 + 2 * (norm - SP_E * t * h)
+        by_hand += (0 if checkpointing else 2 * per_layer_saved) + norm - SP_E * t * h
+    fewer = untiled["peak"]["kept_by_forward"]["total"] - kept[2]
+    assert abs(fewer - by_hand) <= 64, (fewer, by_hand)  # the two losses keep different fp32 scalars (4 bytes each)
+    stored = activation_bytes(shape, batch, SP_SEQ, SP_E, checkpointing, "sdpa", sequence_parallel=sp,
+                              **tiles)["stored"]
+    # as in the test above; the rotary cos and sin are per position ([1, S/sp, d]), whatever the batch
+    left_out = 2 * SP_E * (SP_SEQ // sp) * shape.head_dim + (8 * SP_SEQ if checkpointing else 0)
+    assert 0 <= kept[2] - stored - left_out <= 64, (kept[2], stored, left_out)
+    assert runs[2]["long_sequences"]["tiled_loss_tokens"] == loss_tokens
 
 
 def _plain_dry_step(config, checkpointing):

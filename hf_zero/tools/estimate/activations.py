@@ -39,8 +39,26 @@ over all s positions for a/K heads, which is the same bytes), plus what the exch
     2·e·t·(K - kv_heads)·head_dim   when K does not divide the KV heads: each is replicated to K heads first, and
                    the kernel keeps the replicas
 
-and outside the layers the whole sequence's shifted labels, 8·s·b bytes on every rank (the loss's count of valid
-tokens), in place of the 8·t of the token ids.
+and outside the layers the whole sequence's shifted labels, 8·s bytes on every rank at b = 1 (the loss keeps its
+chunk flattened, a view of them), in place of the 8·t of the token ids; at b > 1 flattening a chunk copies it and
+8·t it stays.
+
+Tiles (``tiled_loss_tokens=T``, ``tiled_mlp_tokens=T``, engine/sequence/tiled.py) run a position-wise computation
+piece by piece, each piece under a non-reentrant checkpoint that keeps only its input and is recomputed in the
+backward; on top of sp (t = s·b/K tokens per rank) and checkpointing:
+
+    tiled loss  the head and the cross-entropy over tiles of n = min(T, t) tokens (the rank's batch flattened).
+                The forward keeps the final hidden states (the LM head's input above, e·t·h) and no log-probabilities:
+                no 4·t·V. The transient is one tile's, 12·n·V at the start of its backward (its recomputed fp32
+                log-probabilities and the fp32 gradients of the log-probabilities and of the logits), in place of
+                8·t·V: with T >= t the peak is the untiled one, the log-probabilities moved from stored to transient
+    tiled MLP   every module named "mlp" and every LayerNorm/RMSNorm over tiles of the sequence dimension, each tile
+                b·T' tokens with T' = min(T, s/K); T >= s/K runs them whole (the count above). Per layer the MLP
+                keeps its input, e·t·h (the post-attention norm's output, as above), and each norm its input, e·t·h
+                (no fp32 copy, no statistics); a dropout inside the MLP (GPT-2's) keeps its mask in the tile. The
+                final norm keeps e·t·h too. The backward recomputes one tile at a time: the MLP term at n = b·T'
+                tokens (a norm's tile is smaller) is added to the transient, to the recomputed layer's under
+                checkpointing
 """
 from __future__ import annotations
 
@@ -86,6 +104,7 @@ class ActivationShape:
     attn_dropout: float = 0.0
     resid_dropout: float = 0.0
     embd_dropout: float = 0.0
+    mlp_dropout: bool = False  # one of the residual dropouts is inside the module named "mlp" (GPT-2's)
 
 
 def _first_attr(config: Any, names: Sequence[str], default: Any = None) -> Any:
@@ -126,6 +145,8 @@ def activation_shape(model_or_config: Any) -> ActivationShape:
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     names = [name.rsplit(".", 1)[-1] for name, _ in model.named_modules()]
+    mlp_dropout = any(isinstance(sub, nn.Dropout) for name, m in model.named_modules()
+                      if name.rsplit(".", 1)[-1] == "mlp" for sub in m.modules())
     act = _first_attr(cfg, ("hidden_act", "activation_function"), "gelu")
     dropout = {k: float(_first_attr(cfg, keys, 0.0)) for k, keys in _DROPOUT_KEYS.items()}
     return ActivationShape(
@@ -138,6 +159,7 @@ def activation_shape(model_or_config: Any) -> ActivationShape:
         rms_norm=any(type(m).__name__.endswith("RMSNorm") for m in model.modules()),
         softmax_fp32=getattr(cfg, "model_type", "") not in _SOFTMAX_IN_COMPUTE_DTYPE,
         attn_dropout=dropout["attn"], resid_dropout=dropout["resid"], embd_dropout=dropout["embd"],
+        mlp_dropout=mlp_dropout,
     )
 
 
@@ -154,6 +176,32 @@ def _norm_bytes(shape: ActivationShape, tokens: int, e: int) -> int:
     if shape.rms_norm:
         return tokens * ((4 + e) * shape.hidden + 4)
     return tokens * (e * shape.hidden + 8)
+
+
+def _mlp_bytes(shape: ActivationShape, tokens: int, e: int) -> int:
+    """One MLP: the input of its first projection(s), the activation function's saved tensors and output (gated: the
+    gate's and up projection's outputs and their product too)."""
+    return e * tokens * shape.hidden + e * tokens * shape.intermediate * (shape.act_saved + (3 if shape.gated_mlp
+                                                                                             else 1))
+
+
+def _tile(tile_tokens: int, tokens: int) -> int:
+    """Tokens in the largest tile: 0 when tiling is off (0) or the tiles would cover the whole `tokens`."""
+    if tile_tokens < 0:
+        raise ValueError(f"tile tokens must be at least 0 (0: off), got {tile_tokens}")
+    return tile_tokens if 0 < tile_tokens < tokens else 0
+
+
+def mlp_tile_bytes(shape: ActivationShape, batch_size: int, seq_len: int, dtype_bytes: int = 2, mask_bytes: int = 1,
+                   sequence_parallel: int = 1, tiled_mlp_tokens: int = 0) -> int:
+    """What the tiled MLP recomputes at once in the backward: one MLP tile's activations (b·min(T, s/K) tokens; the
+    norms' tiles are smaller); 0 when the MLPs run whole (module docstring)."""
+    tile = _tile(tiled_mlp_tokens, seq_len // sequence_parallel)
+    if not tile:
+        return 0
+    n = batch_size * tile
+    mask = mask_bytes * n * shape.hidden if shape.mlp_dropout and shape.resid_dropout > 0 else 0
+    return _mlp_bytes(shape, n, dtype_bytes) + mask
 
 
 def _check_sequence_parallel(shape: ActivationShape, seq_len: int, attention: str, sp: int) -> None:
@@ -180,16 +228,19 @@ def _ulysses_bytes(shape: ActivationShape, tokens: int, e: int, sp: int) -> int:
 
 
 def layer_activation_bytes(shape: ActivationShape, batch_size: int, seq_len: int, dtype_bytes: int = 2,
-                           attention: str = "eager", mask_bytes: int = 1, sequence_parallel: int = 1) -> Dict[str, int]:
+                           attention: str = "eager", mask_bytes: int = 1, sequence_parallel: int = 1,
+                           tiled_mlp_tokens: int = 0) -> Dict[str, int]:
     """Bytes one decoder layer keeps for its backward (no checkpointing), by term, on one rank; see the module
-    docstring (`sequence_parallel`: Ulysses over that many ranks, each holding seq_len / sequence_parallel tokens)."""
+    docstring (`sequence_parallel`: Ulysses over that many ranks, each holding seq_len / sequence_parallel tokens;
+    `tiled_mlp_tokens`: the MLP and norms over tiles of that many positions, keeping their inputs only)."""
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
     sp = sequence_parallel
     _check_sequence_parallel(shape, seq_len, attention, sp)
     seq_len //= sp  # every term below is per rank (attention's a·s over a/K heads is the same bytes)
+    tiled = bool(_tile(tiled_mlp_tokens, seq_len))
     e, m, t = dtype_bytes, mask_bytes, batch_size * seq_len
-    h, a, f = shape.hidden, shape.heads, shape.intermediate
+    h, a = shape.hidden, shape.heads
     h_q = a * shape.head_dim
     h_kv = h_q if attention == "eager" else shape.kv_heads * shape.head_dim  # eager's repeat_kv materialises K, V
     scores = a * seq_len * seq_len * batch_size
@@ -200,9 +251,9 @@ def layer_activation_bytes(shape: ActivationShape, batch_size: int, seq_len: int
             attn += (e + m) * scores
     else:
         attn += 4 * a * t  # log-sum-exp per query and head
-    mlp = e * t * h + e * t * f * (shape.act_saved + (3 if shape.gated_mlp else 1))
-    resid_masks = 2 * m * t * h if shape.resid_dropout > 0 else 0
-    norms = 2 * _norm_bytes(shape, t, e)
+    mlp = e * t * h if tiled else _mlp_bytes(shape, t, e)  # tiled: the checkpoints' input only
+    resid_masks = (1 if tiled and shape.mlp_dropout else 2) * m * t * h if shape.resid_dropout > 0 else 0
+    norms = 2 * (e * t * h if tiled else _norm_bytes(shape, t, e))  # tiled: each norm's input
     out = {"attention": attn, "mlp": mlp, "norms": norms, "dropout_masks": resid_masks}
     if sp > 1:
         out["ulysses"] = _ulysses_bytes(shape, t, e, sp)
@@ -212,30 +263,41 @@ def layer_activation_bytes(shape: ActivationShape, batch_size: int, seq_len: int
 
 def activation_bytes(shape: ActivationShape, batch_size: int, seq_len: int, dtype_bytes: int = 2,
                      checkpointing: bool = False, attention: str = "eager", mask_bytes: int = 1,
-                     sequence_parallel: int = 1) -> Dict[str, int]:
+                     sequence_parallel: int = 1, tiled_loss_tokens: int = 0,
+                     tiled_mlp_tokens: int = 0) -> Dict[str, int]:
     """Activation bytes per device for one micro-batch of `batch_size` x `seq_len` tokens (split over
-    `sequence_parallel` ranks by Ulysses: per rank).
+    `sequence_parallel` ranks by Ulysses: per rank; the loss and the MLPs and norms over tiles of
+    `tiled_loss_tokens` and `tiled_mlp_tokens` tokens when not 0).
 
     Returns per_layer (one layer's full activations), layers (what the decoder layers keep for the backward),
-    outside (embeddings' ids and masks, final norm, LM head input, the loss's fp32 log-probabilities), stored
-    (= layers + outside, held from the forward to the backward), transient and peak (= stored + transient).
+    outside (embeddings' ids and masks, final norm, LM head input, the loss's fp32 log-probabilities unless tiled),
+    stored (= layers + outside, held from the forward to the backward), transient and peak (= stored + transient).
     """
     sp = sequence_parallel
-    per_layer = layer_activation_bytes(shape, batch_size, seq_len, dtype_bytes, attention, mask_bytes, sp)["total"]
-    ids = 8 * batch_size * seq_len  # the token ids; under sp the whole sequence's shifted labels, on every rank
+    per_layer = layer_activation_bytes(shape, batch_size, seq_len, dtype_bytes, attention, mask_bytes, sp,
+                                       tiled_mlp_tokens)["total"]
+    if tiled_loss_tokens < 0:
+        raise ValueError(f"tiled_loss_tokens must be at least 0 (0: off), got {tiled_loss_tokens}")
     e, t = dtype_bytes, batch_size * (seq_len // sp)
-    logprobs = 4 * t * shape.vocab
-    outside = (ids + _norm_bytes(shape, t, e) + e * t * shape.hidden + logprobs
+    # the loss's flattened labels: under sp at b = 1 a view of the whole sequence's shifted labels, on every rank
+    ids = 8 * (seq_len if batch_size == 1 else t)
+    mlp_tile = mlp_tile_bytes(shape, batch_size, seq_len, e, mask_bytes, sp, tiled_mlp_tokens)
+    final_norm = e * t * shape.hidden if mlp_tile else _norm_bytes(shape, t, e)  # tiled: its input only
+    if tiled_loss_tokens:  # a tile's logits exist in its checkpoint's recomputation only (module docstring)
+        logprobs, loss_transient = 0, 12 * min(tiled_loss_tokens, t) * shape.vocab
+    else:
+        logprobs = 4 * t * shape.vocab
+        loss_transient = 2 * logprobs
+    outside = (ids + final_norm + e * t * shape.hidden + logprobs
                + (mask_bytes * t * shape.hidden if shape.embd_dropout > 0 else 0))
-    loss_transient = 2 * logprobs
     if checkpointing:
         layers = shape.layers * e * t * shape.hidden  # each layer's input
         if attention == "eager":
             outside += e * batch_size * seq_len * seq_len  # the 4-D mask every checkpointed layer holds
-        transient = max(per_layer, loss_transient)
+        transient = max(per_layer + mlp_tile, loss_transient)
     else:
         layers = shape.layers * per_layer
-        transient = loss_transient
+        transient = max(mlp_tile, loss_transient)
     stored = layers + outside
     return {"per_layer": per_layer, "layers": layers, "outside": outside, "stored": stored,
             "transient": transient, "peak": stored + transient}
@@ -251,18 +313,22 @@ def _activation_dtype_bytes(model: nn.Module, config: ZeroConfig) -> int:
 
 def activation_report(model_or_config: Any, batch_size: int, seq_len: int, config: Optional[ZeroConfig] = None,
                       attention: str = "eager", mask_bytes: int = 1) -> Dict[str, Any]:
-    """Activations per device with and without checkpointing, plus the shape and settings they came from."""
+    """Activations per device with and without checkpointing, plus the shape and settings they came from.
+    `config`'s sequence_parallel_size, tiled_loss_tokens and tiled_mlp_tokens are counted as the run would use them
+    (the batch_size x seq_len micro-batch is one replica's: each sp rank holds seq_len / sequence_parallel_size)."""
     if batch_size < 1 or seq_len < 1:
         raise ValueError("batch_size and seq_len must be positive")
     config = config if config is not None else ZeroConfig()
     model = _as_model(model_or_config)
     shape = activation_shape(model)
     e = _activation_dtype_bytes(model, config)
-    modes = {name: activation_bytes(shape, batch_size, seq_len, e, ckpt, attention, mask_bytes)
+    long = dict(sequence_parallel=config.sequence_parallel_size, tiled_loss_tokens=config.tiled_loss_tokens,
+                tiled_mlp_tokens=config.tiled_mlp_tokens)
+    modes = {name: activation_bytes(shape, batch_size, seq_len, e, ckpt, attention, mask_bytes, **long)
              for name, ckpt in (("no_checkpointing", False), ("checkpointing", True))}
     paper = shape.layers * paper_layer_bytes(seq_len, batch_size, shape.hidden, shape.heads)
     return {"batch_size": batch_size, "seq_len": seq_len, "dtype_bytes": e, "attention": attention,
-            "mask_bytes": mask_bytes, "shape": dataclasses.asdict(shape), **modes,
+            "mask_bytes": mask_bytes, "shape": dataclasses.asdict(shape), **long, **modes,
             "paper_layers_16bit": paper,
             "formula": "Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per layer (16-bit) + 4*s*b*V for the "
                        "loss; re-derived per term for this config (see hf_zero.tools.estimate.activations); checkpointing keeps "
