@@ -7,6 +7,7 @@ model's flat groups, each padded to a multiple of N, counted from named_paramete
 from hf_zero's plan_model), for the tiny GPT-2 (tied) and Llama at stages 0-3 in fp32, plus Llama in bf16 with
 grad_accum_dtype="compute". Every plan-mode expectation below takes its sizes from that count.
 """
+import dataclasses
 import inspect
 import json
 import math
@@ -19,6 +20,7 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -932,3 +934,145 @@ def test_sequence_parallel_activation_count_refuses_what_ulysses_refuses():
     odd = ActivationShape(**{**shape.__dict__, "heads": 12, "kv_heads": 3})
     with pytest.raises(ValueError, match="cannot be replicated"):
         activation_bytes(odd, 2, 64, 2, attention="sdpa", sequence_parallel=4)
+
+
+# ------------------------------------------------------------------------------------- tiled loss and MLP (#44)
+TILE_SHAPE = ActivationShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=172, vocab=256,
+                             gated_mlp=True, act_saved=1, rms_norm=True, softmax_fp32=True)
+
+
+def test_tiles_as_long_as_the_sequence_are_the_untiled_count():
+    """The tiled MLP's hooks leave a module whole when its input has no more positions than a tile (tiled.py), so
+    the count is the untiled one, term for term, with or without sp. The tiled loss always checkpoints: one tile of
+    all t tokens keeps no log-probabilities (4·t·V fewer stored bytes) and recomputes them in the backward, so the
+    peak is the untiled one (under checkpointing lower, when a recomputed layer is larger than the loss)."""
+    b, s, e = 2, 64, 2
+    for sp, ckpt in ((1, False), (2, False), (2, True), (4, True)):
+        plain = activation_bytes(TILE_SHAPE, b, s, e, ckpt, "sdpa", sequence_parallel=sp)
+        assert activation_bytes(TILE_SHAPE, b, s, e, ckpt, "sdpa", sequence_parallel=sp,
+                                tiled_mlp_tokens=s // sp) == plain
+        assert layer_activation_bytes(TILE_SHAPE, b, s, e, "sdpa", sequence_parallel=sp, tiled_mlp_tokens=10 * s) == \
+            layer_activation_bytes(TILE_SHAPE, b, s, e, "sdpa", sequence_parallel=sp)
+        t = b * s // sp
+        for tile in (t, 10 * t):
+            tiled = activation_bytes(TILE_SHAPE, b, s, e, ckpt, "sdpa", sequence_parallel=sp, tiled_loss_tokens=tile)
+            assert plain["stored"] - tiled["stored"] == 4 * t * TILE_SHAPE.vocab
+            assert tiled["per_layer"] == plain["per_layer"]
+            if ckpt:  # the recomputed layers no longer find the log-probabilities stored beside them
+                assert tiled["peak"] == plain["peak"] - 4 * t * TILE_SHAPE.vocab + max(
+                    0, 12 * t * TILE_SHAPE.vocab - plain["transient"])
+            else:
+                assert tiled["peak"] == plain["peak"]
+
+
+def test_tiled_loss_term_does_not_grow_with_the_vocabulary_times_the_sequence():
+    """Untiled, the loss's log-probabilities grow as 4·s·b·V (stored) + 8·s·b·V (transient); tiled, nothing of the
+    loss is stored and its transient is one tile's 12·T·V whatever the sequence."""
+    e, tile = 2, 128
+    big_vocab = dataclasses.replace(TILE_SHAPE, vocab=64 * TILE_SHAPE.vocab)
+    for s in (1024, 8192):
+        small, big = (activation_bytes(shape, 1, s, e, False, "sdpa", tiled_loss_tokens=tile)
+                      for shape in (TILE_SHAPE, big_vocab))
+        assert small["stored"] == big["stored"]  # no V anywhere in what the forward keeps
+        assert big["transient"] == 12 * tile * big_vocab.vocab
+        untiled = activation_bytes(big_vocab, 1, s, e, False, "sdpa")
+        assert untiled["peak"] - big["peak"] == 12 * (s - tile) * big_vocab.vocab
+
+
+def test_tiled_mlp_keeps_the_inputs_and_recomputes_one_tile():
+    """Per layer the tiled MLP and norms keep their inputs, e·t·h each, by hand; the transient is one tile's MLP (b x
+    T positions), on top of the recomputed layer under checkpointing; sp divides the positions the tiles cut."""
+    b, s, e, tile = 2, 256, 2, 32
+    h, f = TILE_SHAPE.hidden, TILE_SHAPE.intermediate
+    for sp in (1, 2):
+        t = b * s // sp
+        layer = layer_activation_bytes(TILE_SHAPE, b, s, e, "sdpa", sequence_parallel=sp, tiled_mlp_tokens=tile)
+        plain = layer_activation_bytes(TILE_SHAPE, b, s, e, "sdpa", sequence_parallel=sp)
+        assert layer["mlp"] == e * t * h and layer["norms"] == 2 * e * t * h
+        assert plain["mlp"] - layer["mlp"] == e * t * f * 4  # SwiGLU: gate and up outputs, SiLU's input and output
+        assert layer["attention"] == plain["attention"] and layer.get("ulysses") == plain.get("ulysses")
+        n = b * tile
+        one_tile = e * n * h + e * n * f * 4
+        no = activation_bytes(TILE_SHAPE, b, s, e, False, "sdpa", sequence_parallel=sp, tiled_mlp_tokens=tile)
+        ck = activation_bytes(TILE_SHAPE, b, s, e, True, "sdpa", sequence_parallel=sp, tiled_mlp_tokens=tile)
+        assert no["transient"] == max(one_tile, 8 * t * TILE_SHAPE.vocab)
+        assert ck["transient"] == max(layer["total"] + one_tile, 8 * t * TILE_SHAPE.vocab)
+        untiled = activation_bytes(TILE_SHAPE, b, s, e, False, "sdpa", sequence_parallel=sp)
+        final_norm = (4 + e) * t * h + 4 * t - e * t * h  # its fp32 copy and 1/rms, less its input
+        assert untiled["stored"] - no["stored"] == 2 * (plain["total"] - layer["total"]) + final_norm
+    with pytest.raises(ValueError, match="at least 0"):
+        activation_bytes(TILE_SHAPE, b, s, e, tiled_mlp_tokens=-1)
+    with pytest.raises(ValueError, match="at least 0"):
+        activation_bytes(TILE_SHAPE, b, s, e, tiled_loss_tokens=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tiled_loss_transient_is_one_tiles_as_measured(dtype):
+    """The real tiled cross-entropy (engine/sequence/tiled.py) on real tensors, its live bytes followed op by op:
+    the forward keeps nothing new (the checkpoints hold views of the hidden states and labels) and holds 8·n·V at
+    most (a tile's fp32 logits and log-probabilities); the backward's peak above what it starts with is the count's
+    12·n·V, plus, once a tile is done, two gradients the count leaves to others: the head weight's (V·h, a model
+    state) and the hidden states' (t·h, the backward's input to the layers)."""
+    from hf_zero.tools.estimate.live_bytes import LiveBytes as PhaseBytes
+    from hf_zero.engine.sequence.tiled import tiled_cross_entropy_sum
+
+    t, h, v = 256, 32, 1000
+    e = torch.empty((), dtype=dtype).element_size()
+    shape = dataclasses.replace(TILE_SHAPE, vocab=v, hidden=h)
+    torch.manual_seed(0)
+    for tile in (64, 100, 256, 1000):
+        head = nn.Linear(h, v, bias=False).to(dtype)
+        hidden = torch.randn(t, h, dtype=dtype).requires_grad_()
+        labels = torch.randint(0, v, (t,))
+        count = activation_bytes(shape, 1, t, e, False, "sdpa", tiled_loss_tokens=tile)
+        tracker = PhaseBytes()
+        with tracker:
+            tracker.phase = "forward"
+            loss = tiled_cross_entropy_sum(head, hidden, labels, tile)
+            new = tracker.live["forward"] - (hidden.numel() * e + v * h * e + labels.numel() * 8)  # views of those
+            forward_peak = tracker.phase_peak["forward"]
+            kept = tracker.live["forward"]
+            tracker.reset_peak()
+            tracker.phase = "backward"
+            base = tracker.total
+            loss.backward()
+        n, scalars = min(tile, t), 8
+        assert 0 <= new <= scalars
+        assert forward_peak - kept == 8 * n * v + scalars
+        grads = (v * h + t * h) * e if tile < t else 0  # alive when the second tile's backward peaks
+        assert tracker.peak - base - grads == count["transient"] + 4 == 12 * n * v + 4, tile  # + the loss's grad
+
+
+def test_estimate_cli_takes_sequence_parallelism_and_tiles(tmp_path, capsys):
+    """--sequence-parallel-size, --tiled-loss-tokens and --tiled-mlp-tokens (hf-zero config's flags for the ZeroConfig
+    options) reach the activation count as ZeroConfig settings; the dry run gets them as --option KEY=VALUE would give
+    them; where the run would refuse them (sp with eager attention) or they cannot count (no activations, --zeropp)
+    the command says so."""
+    from hf_zero.cli import main
+    from hf_zero.integrations.hf_models import meta_model
+
+    path = tmp_path / "7b.json"
+    path.write_text(json.dumps(LLAMA_7B))
+    s, sp, tile = 32768, 8, 2048
+    flags = ["--sequence-parallel-size", str(sp), "--tiled-loss-tokens", str(tile), "--tiled-mlp-tokens", str(tile)]
+    assert main(["estimate", "--model", str(path), "--batch-size", "1", "--seq-len", str(s), "--attention", "sdpa",
+                 "--json"] + flags) == 0
+    act = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["activations"]
+    assert (act["sequence_parallel"], act["tiled_loss_tokens"], act["tiled_mlp_tokens"]) == (sp, tile, tile)
+    shape = activation_shape(meta_model(str(path)))
+    for mode, ckpt in (("no_checkpointing", False), ("checkpointing", True)):
+        assert act[mode] == activation_bytes(shape, 1, s, 2, ckpt, "sdpa", sequence_parallel=sp,
+                                             tiled_loss_tokens=tile, tiled_mlp_tokens=tile)
+    assert main(["estimate", "--model", str(path), "--batch-size", "1", "--seq-len", str(s), "--attention", "sdpa"]
+                + flags) == 0
+    assert f"sequence parallel over {sp} ranks, tiled loss {tile:,} tokens" in capsys.readouterr().out
+    assert main(["estimate", "--model", str(path), "--batch-size", "1", "--seq-len", str(s)] + flags) == 2
+    assert "not eager attention" in capsys.readouterr().err
+    assert main(["estimate", "--model", str(path), "--num-processes", "8", "--tiled-mlp-tokens", "64"]) == 2
+    assert "--tiled-mlp-tokens only changes the activations" in capsys.readouterr().err
+    assert main(["estimate", "--zeropp", "--params", "7e9", "--tiled-loss-tokens", "64"]) == 2
+    assert "drop --tiled-loss-tokens" in capsys.readouterr().err
+    assert main(["estimate", "--dry-run", "--model", "tiny", "--num-processes", "2", "--stage", "3", "--seq-len",
+                 "256", "--tiled-loss-tokens", "64", "--tiled-mlp-tokens", "32", "--json"]) == 0
+    run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"][0]
+    assert (run["long_sequences"]["tiled_loss_tokens"], run["long_sequences"]["tiled_mlp_tokens"]) == (64, 32)

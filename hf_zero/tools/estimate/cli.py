@@ -56,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", choices=ATTENTION_KINDS, default="eager",
                         help="eager keeps the a*s*s attention probabilities (the paper's count); sdpa: a fused "
                              "flash / memory-efficient kernel that does not")
+    for name, what in LONG_SEQUENCES.items():  # the ZeroConfig options, named as hf-zero config names them
+        option = BY_NAME[name]
+        parser.add_argument(option.flag, type=option.parse, default=None, metavar=option.kind.metavar,
+                            help=f"plan mode with --batch-size/--seq-len (and --dry-run): {what}")
     parser.add_argument("--zeropp", action="store_true",
                         help="ZeRO++ instead (Wang et al. 2023): intra- and inter-host bytes per rank and step of "
                              "stage 3 plain, hpZ, qwZ, hpZ + qwZ, hpZ + qwZ + qgZ, qgZ, HSDP, stage 2 and stage 2 + "
@@ -68,6 +72,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--zeropp: elements per fp32 scale (quantization_block_size)")
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     add_dry_run_arguments(parser)
+
+
+# the options that change a sequence's activations, not the model states: counted by activation_report
+LONG_SEQUENCES = {
+    "sequence_parallel_size": "Ulysses sequence parallelism over K ranks, each holding S/K tokens (needs --attention "
+                              "sdpa)",
+    "tiled_loss_tokens": "the head and the loss over tiles of T tokens (no [S, vocab] log-probabilities kept)",
+    "tiled_mlp_tokens": "the MLPs and norms over tiles of T positions (each keeps its input only)",
+}
+
+
+def _long_sequences(args: argparse.Namespace) -> Dict[str, int]:
+    return {name: getattr(args, name) for name in LONG_SEQUENCES if getattr(args, name) is not None}
 
 
 def _gb(x: float) -> str:
@@ -89,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"hf-zero estimate: {flags} only {'applies' if one else 'apply'} with --dry-run: add --dry-run or "
                   f"drop {'it' if one else 'them'}", file=sys.stderr)
         return 2
-    if args.dry_run:
+    long = _long_sequences(args)
+    if args.dry_run:  # the dry run takes every ZeroConfig setting as --option KEY=VALUE
+        args.option = [f"{name}={value}" for name, value in long.items()] + list(args.option)
         return run_dry(args)
     if args.zeropp:
         return run_zeropp(args)
@@ -106,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if with_activations and (args.batch_size is None or args.seq_len is None or args.model is None):
         print("hf-zero estimate: activations need --model with both --batch-size and --seq-len", file=sys.stderr)
+        return 2
+    if long and not with_activations:
+        print(f"hf-zero estimate: {', '.join(BY_NAME[name].flag for name in long)} only change"
+              f"{'s' if len(long) == 1 else ''} the activations: give --model with --batch-size and --seq-len",
+              file=sys.stderr)
         return 2
     if not 0 < args.trainable_fraction <= 1:
         print("hf-zero estimate: --trainable-fraction must be in (0, 1]", file=sys.stderr)
@@ -143,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         quantized = dict(stage=3, quantized_frozen_weights="int8", quantization_block_size=args.block_size) \
             if args.quantized_frozen_weights else {}
         config = ZeroConfig(mixed_precision=args.mixed_precision, grad_accum_dtype=args.grad_accum_dtype or "fp32",
-                            **quantized)
+                            **quantized, **long)
         from ...integrations.hf_models import meta_model
 
         try:
@@ -159,7 +183,11 @@ def run(args: argparse.Namespace) -> int:
             out.update(ranks_per_host=k, hosts=n // k,
                        hierarchical=hierarchical_plan_report(planner, n, k, stages, args.micro_batches))
         if with_activations:
-            out["activations"] = activation_report(model, args.batch_size, args.seq_len, config, args.attention)
+            try:
+                out["activations"] = activation_report(model, args.batch_size, args.seq_len, config, args.attention)
+            except ValueError as exc:  # settings the run itself would refuse (sp with eager attention, ...)
+                print(f"hf-zero estimate: error: {exc}", file=sys.stderr)
+                return 2
         if budget is not None:
             out["fits"] = {"gb": args.fits, "min_world_size": fits_plan(model, config, budget, stages,
                                                                         planner=planner)}
@@ -254,8 +282,12 @@ def _fits_parts(mins: Dict[Any, Optional[int]]) -> str:
 def _render_activations(act: Dict[str, Any]) -> List[str]:
     rows = [[mode.replace("_", " "), _gb(v["per_layer"]), _gb(v["layers"]), _gb(v["outside"]), _gb(v["stored"]),
              _gb(v["peak"])] for mode, v in ((m, act[m]) for m in ("no_checkpointing", "checkpointing"))]
+    long = [f"sequence parallel over {act['sequence_parallel']} ranks" if act.get("sequence_parallel", 1) > 1 else "",
+            f"tiled loss {act['tiled_loss_tokens']:,} tokens" if act.get("tiled_loss_tokens") else "",
+            f"tiled MLP {act['tiled_mlp_tokens']:,} tokens" if act.get("tiled_mlp_tokens") else ""]
     return [f"Activations per device (any stage, any N): micro-batch {act['batch_size']} x {act['seq_len']} tokens, "
-            f"{act['dtype_bytes']}-byte activations, {act['attention']} attention",
+            f"{act['dtype_bytes']}-byte activations, {act['attention']} attention"
+            + "".join(f", {part}" for part in long if part),
             _table(["", "one layer GB", "layers keep GB", "outside layers GB", "stored GB", "peak GB"], rows),
             f"Formula: {act['formula']}. The paper's 16-bit formula for these layers alone: "
             f"{_gb(act['paper_layers_16bit'])} GB."]
@@ -267,7 +299,8 @@ def run_zeropp(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     given = (("--fits", args.fits is not None), ("--batch-size", args.batch_size is not None),
              ("--seq-len", args.seq_len is not None), ("--stage", args.stage is not None),
-             ("--trainable-fraction", args.trainable_fraction != 1))
+             ("--trainable-fraction", args.trainable_fraction != 1)) + tuple(
+        (BY_NAME[name].flag, True) for name in _long_sequences(args))
     ignored = [flag for flag, present in given if present]
     if ignored:
         print(f"hf-zero estimate: --zeropp prints its own table (all-trainable stage 3 and stage 2 rows, "
