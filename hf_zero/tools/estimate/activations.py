@@ -331,7 +331,8 @@ def activation_report(model_or_config: Any, batch_size: int, seq_len: int, confi
             "mask_bytes": mask_bytes, "shape": dataclasses.asdict(shape), **long, **modes,
             "paper_layers_16bit": paper,
             "formula": "Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per layer (16-bit) + 4*s*b*V for the "
-                       "loss; re-derived per term for this config (see hf_zero.tools.estimate.activations); checkpointing keeps "
-                       "e*s*b*h per layer and recomputes one layer at a time; sequence parallelism counts t = s*b/K "
-                       "tokens per rank; a tiled loss keeps no log-probabilities (one tile's 12*T*V transient), a "
-                       "tiled MLP only each MLP's and norm's input (one tile recomputed at a time)"}
+                       "loss; re-derived per term for this config (see hf_zero.tools.estimate.activations); "
+                       "checkpointing keeps e*s*b*h per layer and recomputes one layer at a time; sequence "
+                       "parallelism counts t = s*b/K tokens per rank; a tiled loss keeps no log-probabilities (one "
+                       "tile's 12*T*V transient), a tiled MLP only each MLP's and norm's input (one tile recomputed "
+                       "at a time)"}
