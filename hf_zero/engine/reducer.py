@@ -7,10 +7,11 @@
 - stages 2/3: every micro-batch's backward reduces a group as soon as its gradients have all arrived: they are
   copied into a bucket of at most C_B (`reduce_bucket_size`; a group larger than that, one parameter larger than a
   bucket, goes out in column chunks of its [P, S] view), the bucket is reduce-scattered and the owned range added
-  into the (fp32) gradient shard (in host memory under offload_optimizer: host_grads.py). A group that fits one bucket takes it at its first gradient and each gradient is
-  copied in as it arrives; column chunks, and a bucket the budget has no room for yet, wait at launch, their
-  gradients held where autograd put them until then. Buckets come from a pool of C_B slabs, taken only while the
-  buckets in flight stay within the budget (`comm_buffers_budget`): a constant, whatever the model's size.
+  into the (fp32) gradient shard (in host memory under offload_optimizer: host_grads.py). A group that fits one
+  bucket takes it at its first gradient and each gradient is copied in as it arrives; column chunks, and a bucket
+  the budget has no room for yet, wait at launch, their gradients held where autograd put them until then. Buckets
+  come from a pool of C_B slabs, taken only while the buckets in flight stay within the budget
+  (`comm_buffers_budget`): a constant, whatever the model's size.
 
 Reductions are issued asynchronously from post-accumulate-grad hooks, so they overlap the rest of the backward,
 and always in one order, the same on every rank: a group whose gradients are complete waits until every group

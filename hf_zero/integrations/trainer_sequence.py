@@ -17,10 +17,10 @@ rank's share (value and gradient, not sp x), so the same arithmetic leaves it sp
 multiplies it by sp. Objectives of whole sequences (DPO's, GRPO's log-probability sums) cannot be made from one
 chunk: refused (`watch_fused_head`).
 
-Evaluation: the losses (labels, inputs) the Trainer's evaluation loop gathers are alike on the sp ranks of a replica,
-and Accelerate's gather_for_metrics, which cuts the last uneven batch to the dataset's remainder, assumes every rank
-read distinct rows: HfZeroAccelerator.gather_for_metrics (which the Trainer gathers with) takes each replica's once. Predictions are this rank's chunk of
-the logits: compute_metrics is refused.
+Evaluation: the losses (labels, inputs) the Trainer's evaluation loop gathers are alike on the sp ranks of a
+replica, and Accelerate's gather_for_metrics, which cuts the last uneven batch to the dataset's remainder, assumes
+every rank read distinct rows: HfZeroAccelerator.gather_for_metrics (which the Trainer gathers with) takes each
+replica's once. Predictions are this rank's chunk of the logits: compute_metrics is refused.
 """
 from __future__ import annotations
 

@@ -21,11 +21,11 @@ the all-to-alls of q, k, v and the output return at once with tensors of the rig
 
 Device and host: the fake tensors live on the CPU, so the dry run says which bytes the machine it plays keeps in
 host memory: with `offload_optimizer` the fp32 master shards, the gradient shards at stages 2/3, and what the
-optimizer step allocates (its states and temporaries: the update runs on the host), with `offload_params` the parameter shards, and with
-`cpu_checkpointing` the activation checkpoints. The engine's CheckpointStore keeps a checkpoint where it is when
-the compute device is the CPU, so the dry run makes the copies a GPU run makes: a host copy when the store keeps a
-checkpoint (saved-tensor hooks outside the store's, which it hands what it keeps) and a device copy when the
-backward takes it back.
+optimizer step allocates (its states and temporaries: the update runs on the host), with `offload_params` the
+parameter shards, and with `cpu_checkpointing` the activation checkpoints. The engine's CheckpointStore keeps a
+checkpoint where it is when the compute device is the CPU, so the dry run makes the copies a GPU run makes: a host
+copy when the store keeps a checkpoint (saved-tensor hooks outside the store's, which it hands what it keeps) and a
+device copy when the backward takes it back.
 """
 from __future__ import annotations
 
