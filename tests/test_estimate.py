@@ -1066,7 +1066,11 @@ def test_estimate_cli_takes_sequence_parallelism_and_tiles(tmp_path, capsys):
     assert main(["estimate", "--model", str(path), "--batch-size", "1", "--seq-len", str(s), "--attention", "sdpa"]
                 + flags) == 0
     assert f"sequence parallel over {sp} ranks, tiled loss {tile:,} tokens" in capsys.readouterr().out
-    assert main(["estimate", "--model", str(path), "--batch-size", "1", "--seq-len", str(s)] + flags) == 2
+    # without --attention sp counts the fused kernel it runs (eager is the paper's default, which sp refuses)
+    assert main(["estimate", "--model", str(path), "--batch-size", "1", "--seq-len", str(s), "--json"] + flags) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["activations"] == act
+    assert main(["estimate", "--model", str(path), "--batch-size", "1", "--seq-len", str(s), "--attention", "eager"]
+                + flags) == 2
     assert "not eager attention" in capsys.readouterr().err
     assert main(["estimate", "--model", str(path), "--num-processes", "8", "--tiled-mlp-tokens", "64"]) == 2
     assert "--tiled-mlp-tokens only changes the activations" in capsys.readouterr().err

@@ -53,9 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan mode: micro-batch size per device; with --seq-len adds the activation estimate "
                              "(with and without checkpointing) and counts it in --fits")
     parser.add_argument("--seq-len", type=int, default=None, metavar="S", help="plan mode: sequence length")
-    parser.add_argument("--attention", choices=ATTENTION_KINDS, default="eager",
+    parser.add_argument("--attention", choices=ATTENTION_KINDS, default=None,
                         help="eager keeps the a*s*s attention probabilities (the paper's count); sdpa: a fused "
-                             "flash / memory-efficient kernel that does not")
+                             "flash / memory-efficient kernel that does not (default: eager, or sdpa with "
+                             "--sequence-parallel-size above 1, which runs fused kernels only)")
     for name, what in LONG_SEQUENCES.items():  # the ZeroConfig options, named as hf-zero config names them
         option = BY_NAME[name]
         parser.add_argument(option.flag, type=option.parse, default=None, metavar=option.kind.metavar,
@@ -184,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
                        hierarchical=hierarchical_plan_report(planner, n, k, stages, args.micro_batches))
         if with_activations:
             try:
-                out["activations"] = activation_report(model, args.batch_size, args.seq_len, config, args.attention)
+                attention = args.attention or ("sdpa" if config.sequence_parallel_size > 1 else "eager")
+                out["activations"] = activation_report(model, args.batch_size, args.seq_len, config, attention)
             except ValueError as exc:  # settings the run itself would refuse (sp with eager attention, ...)
                 print(f"hf-zero estimate: error: {exc}", file=sys.stderr)
                 return 2
