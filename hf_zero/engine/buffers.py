@@ -121,9 +121,9 @@ class FlatGroup:
       when dtypes and devices agree (pure fp32 keeps no second copy).
     - `grad_full` (stages 0/1): padded full gradient accumulator; `grad_shard`: the owned range of the reduced
       gradient (a view of `grad_full` at stages 0/1, its own storage at 2/3: in host memory under offload_optimizer,
-      `grad_device`). The engine allocates them when it
-      builds the group, except for a model read from its files: there they come with the first backward (as
-      FSDP2's do), so that loading never holds more than the parameters.
+      `grad_device`). The engine allocates them when it builds the group, except for a model read from its files:
+      there they come with the first backward (as FSDP2's do), so that loading never holds more than the
+      parameters.
     """
 
     def __init__(self, plan: GroupPlan, params: List[nn.Parameter], policies: Tuple[GradientPolicy, Residency],
