@@ -77,8 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # the options that change a sequence's activations, not the model states: counted by activation_report
 LONG_SEQUENCES = {
-    "sequence_parallel_size": "Ulysses sequence parallelism over K ranks, each holding S/K tokens (needs --attention "
-                              "sdpa)",
+    "sequence_parallel_size": "Ulysses sequence parallelism over K ranks, each holding S/K tokens (counted for sdpa, "
+                              "the fused kernels it runs)",
     "tiled_loss_tokens": "the head and the loss over tiles of T tokens (no [S, vocab] log-probabilities kept)",
     "tiled_mlp_tokens": "the MLPs and norms over tiles of T positions (each keeps its input only)",
 }
