@@ -1,8 +1,9 @@
 """Comm's all-gather and reduce-scatter against torch's own collectives and a local sum, at world sizes 1-4, with
 every collectives strategy.
 
-On gloo, "auto" issues these as per-chunk broadcasts and reduces (engine/collectives/chunked.py); "flat" as one
-all_gather_into_tensor / reduce_scatter_tensor each, the form NCCL runs (flat.py). The inputs are small integers
+On gloo, "auto" issues these per chunk: broadcasts, and a pairwise exchange of the chunks into scratch for the
+reduce-scatter (engine/collectives/chunked.py); "flat" as one all_gather_into_tensor / reduce_scatter_tensor each,
+the form NCCL runs (flat.py). The inputs are small integers
 stored as floats, so every summation order gives the same bits and results can be compared exactly.
 """
 import pytest
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import DistResults
+from hf_zero.engine.buffers import BufferPool
 from hf_zero.engine.comm import Comm, gloo_device_types
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -49,9 +51,22 @@ def collectives(rank, world_size, strategy="auto"):
     native_full = torch.empty(n)
     dist.all_gather_into_tensor(native_full, shard)
     out["ag"], out["ag_in_place"], out["ag_native"] = full, full2, native_full
+
     out["ledger"] = comm.snapshot()
     out["by_strategy"] = comm.ledger.by_strategy()
     out["chosen"] = comm.strategy("cpu").name
+
+    # three reduce-scatters in flight at once, waited in issue order on odd ranks and in reverse on even ones, their
+    # scratch taken from a pool: each completes whatever order ranks wait in, and the pool gets all of it back
+    pool = BufferPool(0)
+    comm.strategy("cpu").scratch = pool
+    inputs = [_rank_input(rank + 10 * k, k * n) for k in (1, 2, 3)]
+    outs = [torch.empty(k * CHUNK) for k in (1, 2, 3)]
+    handles = [comm.reduce_scatter(o, i.clone(), f"test rs in flight {k}") for k, (o, i) in enumerate(zip(outs, inputs))]
+    for h in (handles if rank % 2 else handles[::-1]):
+        h.wait()
+    out["rs_in_flight"], out["scratch_peak"], out["scratch_live"] = outs, pool.peak_bytes, pool.live_bytes
+    comm.strategy("cpu").scratch = None
     return out
 
 
@@ -69,6 +84,21 @@ def test_reduce_scatter_equals_sum_of_every_ranks_chunk(dist_results, world_size
         expected = total[rank * CHUNK:(rank + 1) * CHUNK]
         for key in ("rs", "rs_in_place", "rs_native", "rs_on_done"):
             assert torch.equal(res[key], expected), (rank, key)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_reduce_scatters_in_flight_complete_in_any_wait_order(dist_results, world_size, strategy):
+    """Gloo's pairwise exchange posts every send and receive at issue, so three in flight complete whether a rank
+    waits for them in issue order or in reverse; its scratch is the W - 1 chunks it receives, all in flight at
+    once at the peak, all given back."""
+    chosen = "chunked" if strategy == "auto" else strategy
+    scratch = sum((world_size - 1) * k * CHUNK * 4 for k in (1, 2, 3)) if chosen == "chunked" else 0
+    for rank, res in enumerate(dist_results(world_size, f"collectives-{strategy}")):
+        for k, got in zip((1, 2, 3), res["rs_in_flight"]):
+            total = sum(_rank_input(r + 10 * k, k * CHUNK * world_size) for r in range(world_size))
+            assert torch.equal(got, total[rank * k * CHUNK:(rank + 1) * k * CHUNK]), (rank, k)
+        assert (res["scratch_peak"], res["scratch_live"]) == (scratch, 0), rank
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

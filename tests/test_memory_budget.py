@@ -215,9 +215,11 @@ def dist_results():
     return DistResults(scenarios_for)
 
 
-def _check_budget(memory: Dict[str, int], where: str, stage: int) -> None:
-    """Stages 2/3 reduce through buckets within the budget; stages 0/1 reduce their accumulator in place (none)."""
-    assert (memory["comm_buffers_budget"] > 0) == (stage >= 2), where
+def _check_budget(memory: Dict[str, int], where: str, stage: int, world_size: int) -> None:
+    """Stages 2/3 reduce through buckets within the budget. Stage 1 reduces its accumulator in place: no buckets,
+    but over more than one rank gloo's reduce-scatter receives the peers' chunks into scratch, within the budget
+    too. Stage 0 all-reduces in place (none)."""
+    assert (memory["comm_buffers_budget"] > 0) == (stage >= 2 or (stage == 1 and world_size > 1)), where
     assert memory["comm_buffers_peak"] <= memory["comm_buffers_budget"], (
         f"{where}: gradient buckets peaked at {memory['comm_buffers_peak']} B, budget {memory['comm_buffers_budget']} B")
     assert memory["comm_buffers"] <= memory["comm_buffers_budget"], f"{where}: the pool holds more than the budget"
@@ -230,7 +232,7 @@ def test_buckets_stay_within_budget_and_training_is_plain(dist_results, world_si
     ranks = dist_results(world_size, name)
     kw = CASES[name]
     for rank, res in enumerate(ranks):
-        _check_budget(res["final_memory"], f"{name} W={world_size} rank {rank}", kw["stage"])
+        _check_budget(res["final_memory"], f"{name} W={world_size} rank {rank}", kw["stage"], world_size)
     ref = reference_train("llama", kw.get("variant", "full"), steps=STEPS, accum=ACCUM)
     if name in QUANTIZED:  # the global loss: the mean of the ranks' (equal slices of every micro-batch)
         losses = [sum(r["losses"][i] for r in ranks) / world_size for i in range(STEPS)]
@@ -252,7 +254,7 @@ def test_buckets_stay_within_budget_and_training_is_plain(dist_results, world_si
 def test_hsdp_and_hpz_buckets_stay_within_budget_and_training_is_plain(dist_results, name):
     ranks = dist_results(4, name)
     for rank, res in enumerate(ranks):
-        _check_budget(res["final_memory"], f"{name} rank {rank}", HOSTS[name]["stage"])
+        _check_budget(res["final_memory"], f"{name} rank {rank}", HOSTS[name]["stage"], 4)
     problems = state_mismatches(ranks[0]["state"], reference_train("llama", steps=STEPS, accum=ACCUM)["state"])
     assert not problems, "\n".join(problems[:10])
 
@@ -273,7 +275,7 @@ def test_ranks_with_different_arrival_orders_agree_and_train_exactly(dist_result
     completed = list(done)
     assert orders[0][0][:len(completed)] == completed, (orders[0][0], completed)
     for rank, res in enumerate(ranks):
-        _check_budget(res["memory"], f"swapped stage {stage} rank {rank}", stage)
+        _check_budget(res["memory"], f"swapped stage {stage} rank {rank}", stage, world_size)
     problems = state_mismatches(ranks[0]["state"], swapped_reference(world_size))
     assert not problems, "\n".join(problems[:10])
 
@@ -287,7 +289,7 @@ def test_units_split_by_the_live_budget_nest_and_train_exactly(dist_results, wor
         assert {b, f"{b}.up", f"{b}.down"} <= set(units), units
     for rank, res in enumerate(ranks):
         mem = res["memory"]
-        _check_budget(mem, f"nested rank {rank}", 3)
+        _check_budget(mem, f"nested rank {rank}", 3, world_size)
         # without the split the root (embeddings and head: never resharded) and a whole block are gathered at once
         model = _nested()
         unsplit = 4 * (sum(p.numel() for p in model.blocks[0].parameters()) + sum(
@@ -361,6 +363,27 @@ def test_slab_pool_holds_slabs_not_one_buffer_per_size():
     for n in (1, 50, 256):  # three more sizes: reused slabs, no new allocation
         pool.give(pool.take(n, torch.float32, torch.device("cpu")))
     assert pool.allocations == 2 and pool.reserved_bytes == 2048 and pool.peak_bytes == 2048
+
+
+def test_scratch_comes_from_slabs_of_its_own_size():
+    """A reduce-scatter's scratch (gloo's pairwise exchange) is a view of a scratch slab, reused whatever its
+    size, and counted with the buckets; one larger than a slab is a buffer of its own, freed when given back."""
+    from hf_zero.engine.buffers import BufferPool
+
+    pool = BufferPool(1024, scratch_slab_bytes=256)
+    bucket = pool.take(200, torch.float32, torch.device("cpu"))
+    for n in (64, 10, 33):  # three sizes, one slab
+        s = pool.scratch(n, torch.float32, torch.device("cpu"))
+        assert s.numel() == n and (pool.live_bytes, pool.scratch_live_bytes) == (1024 + 256, 256)
+        pool.give(s)
+    big = pool.scratch(100, torch.float32, torch.device("cpu"))
+    assert (pool.live_bytes, pool.scratch_live_bytes, pool.peak_bytes) == (1024 + 400, 400, 1024 + 400)
+    pool.give(big)
+    pool.give(bucket)
+    assert pool.allocations == 3 and pool.live_bytes == pool.scratch_live_bytes == 0
+    assert pool.reserved_bytes == 1024 + 256
+    assert (pool.held(1000), pool.held(2000), pool.held(100, scratch=True), pool.held(0, scratch=True)) == (
+        1024, 2000, 256, 0)
 
 
 def test_each_stage_is_one_gradient_policy_and_one_residency():

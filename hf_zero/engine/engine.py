@@ -27,7 +27,7 @@ from .placement import compute_device
 from .planning import ShardPlan, plan_model
 from .partitioned import set_placeholders
 from .policies import GradientPolicy, Residency, policies_for
-from .reducer import Reducer, comm_buffers_budget, largest_bucket, reduction_columns
+from .reducer import Reducer, comm_buffers_budget, largest_bucket, largest_reduction, reduction_columns
 from .rendezvous import Rendezvous, RendezvousTimeout
 from .scaler import LossScaler
 from .state import ShardState, apply_shard_state, capture_shard_state, full_group_values
@@ -79,10 +79,17 @@ class ZeroEngine:
         # bucket (at most C_B: a small model's buckets take no more than they need)
         columns = reduction_columns(self.groups, self.policies[0], config.reduce_torch_dtype,
                                     config.reduce_bucket_size)
-        self.pool = BufferPool(largest_bucket(self.groups, columns, config.reduce_torch_dtype))
+        # gloo's reduce-scatter receives the peers' chunks into scratch: from the pool too, within the budget
+        strategy = self.partition_comm.strategy(self.device.type)
+        scratch = lambda nbytes: strategy.reduce_scatter_scratch(nbytes, self.device.type)  # noqa: E731
+        bucket = largest_bucket(self.groups, columns, config.reduce_torch_dtype)
+        self.pool = BufferPool(bucket, scratch(largest_reduction(self.groups, self.policies[0], bucket)))
+        strategy.scratch = self.pool
         self.reducer = Reducer(
             self.groups, self.policies[0], self.partition_comm, self.pool,
-            budget_bytes=comm_buffers_budget(self.pool.slab_bytes), bucket_bytes=config.reduce_bucket_size,
+            budget_bytes=comm_buffers_budget(self.pool.slab_bytes, self.pool.scratch_slab_bytes),
+            scratch_bytes=scratch,
+            bucket_bytes=config.reduce_bucket_size,
             route=self.topology.reduce_route([g.plan for g in self.groups], columns), world_size=self.comm.world_size,
             reduce_dtype=config.reduce_torch_dtype, on_launch=self._on_group_launched,
             on_backward_end=self._on_backward_end, agree=self.comm.control.share, columns=columns,

@@ -121,10 +121,22 @@ def _copy_columns(rows: torch.Tensor, grad: torch.Tensor, offset: int, s: int, c
 BUCKETS_ALIVE = 4  # buckets in flight at once (DeepSpeed ZeRO-3: one filling and two reducing)
 
 
-def comm_buffers_budget(bucket_bytes: int) -> int:
-    """The most bytes of gradient buckets alive at once, which the reducer keeps to, given the largest bucket
-    (at most C_B): a constant, independent of the model's size (the paper's constant-size buffers)."""
-    return BUCKETS_ALIVE * bucket_bytes
+def comm_buffers_budget(bucket_bytes: int, scratch_bytes: int = 0) -> Tuple[int, int]:
+    """The most bytes of gradient buckets, and of their reduce-scatters' scratch, alive at once, which the reducer
+    keeps to, given the largest bucket (at most C_B) and the scratch its reduce-scatter holds in flight (gloo's
+    pairwise exchange: (W-1)/W of it; stage 1 has no buckets, only the scratch of reducing its largest
+    accumulator): constants, independent of the model's size (the paper's constant-size buffers)."""
+    return BUCKETS_ALIVE * bucket_bytes, BUCKETS_ALIVE * scratch_bytes
+
+
+def largest_reduction(groups: List[FlatGroup], policy: GradientPolicy, bucket_bytes: int) -> int:
+    """Bytes of the largest tensor the reducer reduce-scatters: a bucket (stages 2/3), a group's accumulator
+    (stage 1), nothing (stage 0 all-reduces)."""
+    if not policy.scatters:
+        return 0
+    if not policy.full_accumulator:
+        return bucket_bytes
+    return max((g.plan.padded_numel * g.accum_dtype.itemsize for g in groups if g.plan.trainable), default=0)
 
 
 def largest_bucket(groups: List[FlatGroup], columns: Dict[int, List[Tuple[int, int]]],
@@ -162,21 +174,27 @@ def reduction_columns(groups: List[FlatGroup], policy: GradientPolicy,
 class Reducer:
     """Owns the post-accumulate-grad hooks of all trainable parameters.
 
-    `bucket_bytes` (C_B, reduce_bucket_size): no gradient bucket exceeds it, and `budget_bytes` bounds the bytes of
-    buckets alive at once. `agree`: rank 0's value of a Python object on every rank (the
-    control plane's `share`), to agree the launch order."""
+    `bucket_bytes` (C_B, reduce_bucket_size): no gradient bucket exceeds it. `budget_bytes` (`comm_buffers_budget`)
+    bounds the bytes of buckets alive at once and of the scratch their reduce-scatters hold (`scratch_bytes`: bytes
+    of scratch for a reduce-scatter of so many bytes, taken from the same pool); `budget_bytes` is their sum.
+    `agree`: rank 0's value of a Python object on every rank (the control plane's `share`), to agree the launch
+    order."""
 
     def __init__(self, groups: List[FlatGroup], policy: GradientPolicy, comm: Comm, pool: BufferPool,
-                 budget_bytes: int, bucket_bytes: int,
+                 budget_bytes: Tuple[int, int], bucket_bytes: int,
                  reduce_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: d,
                  on_launch: Optional[Callable[[FlatGroup], None]] = None,
                  on_backward_end: Optional[Callable[[], None]] = None, route: Optional[ReduceRoute] = None,
                  world_size: Optional[int] = None, agree: Optional[Callable[[object], object]] = None,
-                 columns: Optional[Dict[int, List[Tuple[int, int]]]] = None) -> None:
+                 columns: Optional[Dict[int, List[Tuple[int, int]]]] = None,
+                 scratch_bytes: Callable[[int], int] = lambda nbytes: 0) -> None:
         self.policy, self.comm, self.pool = policy, comm, pool
+        self.scratch_bytes = scratch_bytes
         self.route: ReduceRoute = route if route is not None else comm  # reduce-scatters: plain or HSDP
         self.world_size = world_size or comm.world_size  # N: every rank's gradient is in the sum
-        self.bucket_bytes, self.budget_bytes = bucket_bytes, budget_bytes
+        self.bucket_bytes = bucket_bytes
+        self.bucket_budget, self.scratch_budget = budget_bytes
+        self.budget_bytes = sum(budget_bytes)
         self.agree = agree if agree is not None else (lambda obj: obj)
         self.into_shards = HostGradients()  # ZeRO-Offload: shards in host memory get their ranges by async copies
         columns = columns if columns is not None else reduction_columns(groups, policy, reduce_dtype, bucket_bytes)
@@ -274,12 +292,21 @@ class Reducer:
         self._make_room(numel * dtype.itemsize)
         return self.pool.take(numel, dtype, device, zero=True)
 
-    def _make_room(self, nbytes: int) -> bool:
-        """Wait for the oldest reductions in flight until a bucket of `nbytes` fits the budget; whether it does
-        (buckets still filling are not in flight: they may keep it over)."""
-        while self.inflight and self.pool.live_bytes + nbytes > self.budget_bytes:
+    def _make_room(self, nbytes: int, bucket: bool = True) -> bool:
+        """Wait for the oldest reductions in flight until a reduce-scatter of `nbytes` fits the budget: its
+        scratch, and for a `bucket` taken from the pool the bucket; whether it does (buckets still filling are not
+        in flight: they may keep it over)."""
+        pool = self.pool
+        scratch = pool.held(self.scratch_bytes(nbytes), scratch=True)
+
+        def fits() -> bool:
+            return (pool.scratch_live_bytes + scratch <= self.scratch_budget
+                    and (not bucket or pool.live_bytes - pool.scratch_live_bytes + pool.held(nbytes)
+                         <= self.bucket_budget))
+
+        while self.inflight and not fits():
             self.inflight.pop(0).wait()
-        return self.pool.live_bytes + nbytes <= self.budget_bytes
+        return fits()
 
     def _hold(self, st: _GroupState, slot, grad: torch.Tensor) -> None:
         """Stages 2/3: keep a gradient until its group launches. A group that goes out in one bucket takes that
@@ -310,6 +337,8 @@ class Reducer:
             bucket, st.bucket = st.bucket, None
             if bucket is None:
                 bucket = self._take(p * width, st.reduce_dtype, g.device)
+            else:  # taken while filling: room for its reduce-scatter's scratch now
+                self._make_room(bucket.numel() * bucket.element_size(), bucket=False)
             rows = bucket.view(p, width)
             for slot, grad in held:
                 if width == s:  # the whole group: the bucket is its flat layout
@@ -338,6 +367,7 @@ class Reducer:
             st.handle = self.comm.all_reduce(g.grad_full, tag, on_done=lambda: g.grad_full.div_(world))
         elif self.policy.full_accumulator:  # stage 1
             # In place: the owned range of grad_full is the gradient shard, so the sum lands where the step reads it.
+            self._make_room(g.grad_full.numel() * g.grad_full.element_size(), bucket=False)  # its scratch
             self.clear_stale(st)  # no gradient since the last reduction: contribute zeros outside the owned range
             st.handle = self.route.reduce_scatter(g.grad_shard, g.grad_full, tag)
             st.reduced = True

@@ -14,7 +14,7 @@ all_to_all) is a new file with a subclass that sees the tensors (their dtype) an
 from __future__ import annotations
 
 import abc
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,15 @@ def wait_all(handles: List[Handle]) -> None:
     handles.clear()
 
 
+class ScratchSource(Protocol):
+    """Where a strategy takes the temporary buffers its collectives need while in flight (the engine's BufferPool,
+    buffers.py, which counts them among the comm buffers), and gives them back when done."""
+
+    def scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+    def give(self, buf: torch.Tensor) -> None: ...
+
+
 class Collectives(abc.ABC):
     """How one process group's data collectives go on the wire.
 
@@ -89,6 +98,20 @@ class Collectives(abc.ABC):
     def __init__(self, group: Optional[dist.ProcessGroup], rank: int, global_ranks: List[int]) -> None:
         self.group, self.rank, self.global_ranks = group, rank, list(global_ranks)
         self.world_size = len(self.global_ranks)
+        self.scratch: Optional[ScratchSource] = None  # set by the engine: its pool (otherwise: plain allocations)
+
+    def reduce_scatter_scratch(self, nbytes: int, device_type: str) -> int:
+        """Bytes of scratch a reduce-scatter of `nbytes` on `device_type` tensors holds while in flight (none, but
+        for a strategy that receives into buffers of its own): what the reducer's budget counts per reduction."""
+        return 0
+
+    def _take_scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return (self.scratch.scratch(numel, dtype, device) if self.scratch is not None
+                else torch.empty(numel, dtype=dtype, device=device))
+
+    def _give_scratch(self, buf: torch.Tensor) -> None:
+        if self.scratch is not None:
+            self.scratch.give(buf)
 
     @abc.abstractmethod
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Handle:
