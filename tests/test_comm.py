@@ -62,7 +62,8 @@ def collectives(rank, world_size, strategy="auto"):
     comm.strategy("cpu").scratch = pool
     inputs = [_rank_input(rank + 10 * k, k * n) for k in (1, 2, 3)]
     outs = [torch.empty(k * CHUNK) for k in (1, 2, 3)]
-    handles = [comm.reduce_scatter(o, i.clone(), f"test rs in flight {k}") for k, (o, i) in enumerate(zip(outs, inputs))]
+    handles = [comm.reduce_scatter(o, i.clone(), f"test rs in flight {k}")
+               for k, (o, i) in enumerate(zip(outs, inputs))]
     for h in (handles if rank % 2 else handles[::-1]):
         h.wait()
     out["rs_in_flight"], out["scratch_peak"], out["scratch_live"] = outs, pool.peak_bytes, pool.live_bytes

@@ -11,7 +11,9 @@
   bucket takes it at its first gradient and each gradient is copied in as it arrives; column chunks, and a bucket
   the budget has no room for yet, wait at launch, their gradients held where autograd put them until then. Buckets
   come from a pool of C_B slabs, taken only while the buckets in flight stay within the budget
-  (`comm_buffers_budget`): a constant, whatever the model's size.
+  (`comm_buffers_budget`): a constant, whatever the model's size. A strategy that receives into scratch while a
+  reduce-scatter is in flight (gloo's pairwise exchange: collectives/chunked.py) takes it from the same pool, within
+  a budget of its own beside the buckets' (at stage 1, which has no buckets, it bounds the reductions in flight).
 
 Reductions are issued asynchronously from post-accumulate-grad hooks, so they overlap the rest of the backward,
 and always in one order, the same on every rank: a group whose gradients are complete waits until every group

@@ -186,8 +186,8 @@ OPTIONS: Tuple[Option, ...] = (
            )),
     Option("collectives", "auto", Choice(("auto", "flat", "chunked")),
            'How all-gathers and reduce-scatters are issued: "flat" (one all_gather_into_tensor / '
-           'reduce_scatter_tensor per bucket, as NCCL runs them), "chunked" (per-rank-chunk broadcasts and reduces, '
-           'faster on gloo) or "auto" (chunked on gloo, flat otherwise).'),
+           'reduce_scatter_tensor per bucket, as NCCL runs them), "chunked" (per-rank-chunk broadcasts, and a '
+           'pairwise exchange of the chunks for a reduce-scatter: faster on gloo) or "auto" (chunked on gloo, flat otherwise).'),
     Option("debug_collectives", False, Flag(),
            "Before every collective, all-gather a fingerprint (kind, unit, size, call index) and raise with both "
            "sides' descriptions if ranks disagree, instead of hanging."),

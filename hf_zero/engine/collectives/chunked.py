@@ -4,8 +4,8 @@ host tensors as one pairwise exchange, each rank sending every other rank the ch
 torch's gloo backend has no reduce-scatter of its own (it clones the input and all-reduces it, 2Ψ on the wire) and
 gathers into a temporary it then copies out. Per chunk, the elements moved are the paper's Ψ. The reduce-scatter's
 exchange is gloo's point-to-point send and receive, which run on the caller's thread without gloo's work queue:
-at 2 ranks on 2 cores it took 7-10 ms for 21 MB where one gloo `reduce` per chunk took 16-18 ms and a full
-all-reduce 15-17 ms (docs/benchmarks.md). A send completes only once its receiver has posted the receive, so every
+at 2 ranks on 2 cores it took 11.7 ms for 21 MB where one gloo `reduce` per chunk took 20.4 ms and a full
+all-reduce 18.1 ms (docs/gloo_reduce_scatter.json, benchmarks/gloo_reduce_scatter.py). A send completes only once its receiver has posted the receive, so every
 rank posts all its sends and all its receives when it issues the reduce-scatter: it completes as soon as every rank
 has issued it, whichever order ranks wait in. The W - 1 chunks received go into scratch from the engine's pool
 (`Collectives.scratch`), (W - 1)/W of the input, counted among the comm buffers and in the reducer's budget.
