@@ -365,25 +365,24 @@ def test_slab_pool_holds_slabs_not_one_buffer_per_size():
     assert pool.allocations == 2 and pool.reserved_bytes == 2048 and pool.peak_bytes == 2048
 
 
-def test_scratch_comes_from_slabs_of_its_own_size():
-    """A reduce-scatter's scratch (gloo's pairwise exchange) is a view of a scratch slab, reused whatever its
-    size, and counted with the buckets; one larger than a slab is a buffer of its own, freed when given back."""
+def test_scratch_comes_from_the_buckets_slabs():
+    """A reduce-scatter's scratch (gloo's pairwise exchange) is a view of one of the buckets' slabs, so buckets and
+    scratch share one budget and the pool never holds more slabs than were live at once; one larger than a slab
+    is a buffer of its own, freed when given back."""
     from hf_zero.engine.buffers import BufferPool
 
-    pool = BufferPool(1024, scratch_slab_bytes=256)
+    pool = BufferPool(1024)
     bucket = pool.take(200, torch.float32, torch.device("cpu"))
     for n in (64, 10, 33):  # three sizes, one slab
         s = pool.scratch(n, torch.float32, torch.device("cpu"))
-        assert s.numel() == n and (pool.live_bytes, pool.scratch_live_bytes) == (1024 + 256, 256)
+        assert s.numel() == n and pool.live_bytes == 2048
         pool.give(s)
-    big = pool.scratch(100, torch.float32, torch.device("cpu"))
-    assert (pool.live_bytes, pool.scratch_live_bytes, pool.peak_bytes) == (1024 + 400, 400, 1024 + 400)
+    big = pool.scratch(300, torch.float32, torch.device("cpu"))
+    assert pool.live_bytes == pool.peak_bytes == 1024 + 1200
     pool.give(big)
     pool.give(bucket)
-    assert pool.allocations == 3 and pool.live_bytes == pool.scratch_live_bytes == 0
-    assert pool.reserved_bytes == 1024 + 256
-    assert (pool.held(1000), pool.held(2000), pool.held(100, scratch=True), pool.held(0, scratch=True)) == (
-        1024, 2000, 256, 0)
+    assert pool.allocations == 3 and pool.live_bytes == 0 and pool.reserved_bytes == 2048
+    assert (pool.held(1000), pool.held(2000), pool.held(0)) == (1024, 2000, 0)
 
 
 def test_each_stage_is_one_gradient_policy_and_one_residency():

@@ -19,57 +19,46 @@ class BufferPool:
     """Hands out gradient buckets as views of fixed-size slabs of `slab_bytes` (C_B) and takes them back, so
     steady-state steps allocate nothing new (M_D) and what the pool holds is a number of slabs, whatever the
     buckets' sizes (a pool keyed by size kept one buffer per distinct group size: up to the whole gradient). A
-    request larger than a slab gets a buffer of its own, freed when given back. `scratch` does the same with slabs
-    of `scratch_slab_bytes`: what a reduce-scatter receives its peers' chunks into while in flight (gloo,
-    collectives/chunked.py). Tracks live and peak bytes (of slabs, the memory held) for memory_stats(); the
-    reducer bounds them (its budget)."""
+    request larger than a slab gets a buffer of its own, freed when given back. `scratch` hands out the same slabs
+    for what a reduce-scatter receives its peers' chunks into while in flight (gloo, collectives/chunked.py), so
+    buckets and scratch share one budget. Tracks live and peak bytes (of slabs, the memory held) for
+    memory_stats(); the reducer bounds them (its budget)."""
 
-    def __init__(self, slab_bytes: int, scratch_slab_bytes: int = 0) -> None:
-        self.slab_bytes, self.scratch_slab_bytes = slab_bytes, scratch_slab_bytes
-        self._free: Dict[Tuple[int, torch.device], List[torch.Tensor]] = defaultdict(list)  # by (slab size, device)
+    def __init__(self, slab_bytes: int) -> None:
+        self.slab_bytes = slab_bytes
+        self._free: Dict[torch.device, List[torch.Tensor]] = defaultdict(list)
         self._slab_of: Dict[int, torch.Tensor] = {}  # id(buffer) -> the slab it views
-        self.live_bytes = 0  # buckets and scratch
-        self.scratch_live_bytes = 0  # scratch alone
+        self.live_bytes = 0
         self.peak_bytes = 0
         self.allocations = 0  # fresh allocations (not reuses): M_D means this stops growing after step 1
-        self._scratch_ids: set = set()  # id() of the scratch buffers live
 
-    def held(self, nbytes: int, scratch: bool = False) -> int:
-        """Bytes the pool holds for a buffer of `nbytes` (a whole slab, or the buffer's own bytes beyond one)."""
-        slab = self.scratch_slab_bytes if scratch else self.slab_bytes
-        return slab if 0 < nbytes <= slab else nbytes
+    def held(self, nbytes: int) -> int:
+        """Bytes the pool holds for a buffer of `nbytes`: a whole slab, or the buffer's own bytes beyond one."""
+        return self.slab_bytes if 0 < nbytes <= self.slab_bytes else nbytes
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
         """A gradient bucket of `numel` elements (zeroed if `zero`)."""
-        buf = self._take(numel, dtype, device, self.slab_bytes)
+        buf = self.scratch(numel, dtype, device)
         if zero:
             buf.zero_()
         return buf
 
     def scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A reduce-scatter's scratch of `numel` elements, contents unspecified."""
-        buf = self._take(numel, dtype, device, self.scratch_slab_bytes)
-        self._scratch_ids.add(id(buf))
-        self.scratch_live_bytes += self.held(numel * dtype.itemsize, scratch=True)
-        return buf
-
-    def _take(self, numel: int, dtype: torch.dtype, device: torch.device, slab_bytes: int) -> torch.Tensor:
+        """A buffer of `numel` elements, contents unspecified (a reduce-scatter's scratch)."""
         nbytes = numel * dtype.itemsize
-        if nbytes <= slab_bytes:
-            free = self._free[(slab_bytes, self._device(device))]
+        if nbytes <= self.slab_bytes:
+            free = self._free[self._device(device)]
             if free:
                 slab = free.pop()
             else:
-                slab = torch.empty(slab_bytes, dtype=torch.uint8, device=device)
+                slab = torch.empty(self.slab_bytes, dtype=torch.uint8, device=device)
                 self.allocations += 1
             buf = slab[:nbytes].view(dtype)
             self._slab_of[id(buf)] = slab
-            held = slab_bytes
         else:
             buf = torch.empty(numel, dtype=dtype, device=device)
             self.allocations += 1
-            held = nbytes
-        self.live_bytes += held
+        self.live_bytes += self.held(nbytes)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return buf
 
@@ -82,14 +71,11 @@ class BufferPool:
 
     def give(self, buf: torch.Tensor) -> None:
         slab = self._slab_of.pop(id(buf), None)
-        held = buf.numel() * buf.element_size() if slab is None else slab.numel()
-        self.live_bytes -= held
-        if id(buf) in self._scratch_ids:
-            self._scratch_ids.discard(id(buf))
-            self.scratch_live_bytes -= held
         if slab is None:
+            self.live_bytes -= buf.numel() * buf.element_size()
             return
-        self._free[(slab.numel(), slab.device)].append(slab)
+        self.live_bytes -= self.slab_bytes
+        self._free[slab.device].append(slab)
 
     @property
     def reserved_bytes(self) -> int:

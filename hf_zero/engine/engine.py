@@ -83,12 +83,11 @@ class ZeroEngine:
         strategy = self.partition_comm.strategy(self.device.type)
         scratch = lambda nbytes: strategy.reduce_scatter_scratch(nbytes, self.device.type)  # noqa: E731
         bucket = largest_bucket(self.groups, columns, config.reduce_torch_dtype)
-        self.pool = BufferPool(bucket, scratch(largest_reduction(self.groups, self.policies[0], bucket)))
+        self.pool = BufferPool(max(bucket, scratch(largest_reduction(self.groups, self.policies[0], bucket))))
         strategy.scratch = self.pool
         self.reducer = Reducer(
             self.groups, self.policies[0], self.partition_comm, self.pool,
-            budget_bytes=comm_buffers_budget(self.pool.slab_bytes, self.pool.scratch_slab_bytes),
-            scratch_bytes=scratch,
+            budget_bytes=comm_buffers_budget(self.pool.slab_bytes), scratch_bytes=scratch,
             bucket_bytes=config.reduce_bucket_size,
             route=self.topology.reduce_route([g.plan for g in self.groups], columns), world_size=self.comm.world_size,
             reduce_dtype=config.reduce_torch_dtype, on_launch=self._on_group_launched,

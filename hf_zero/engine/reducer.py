@@ -12,8 +12,8 @@
   the budget has no room for yet, wait at launch, their gradients held where autograd put them until then. Buckets
   come from a pool of C_B slabs, taken only while the buckets in flight stay within the budget
   (`comm_buffers_budget`): a constant, whatever the model's size. A strategy that receives into scratch while a
-  reduce-scatter is in flight (gloo's pairwise exchange: collectives/chunked.py) takes it from the same pool, within
-  a budget of its own beside the buckets' (at stage 1, which has no buckets, it bounds the reductions in flight).
+  reduce-scatter is in flight (gloo's pairwise exchange: collectives/chunked.py) takes slabs of the same pool, within
+  the same budget (at stage 1, which has no buckets, the slabs are scratch only and bound the reductions in flight).
 
 Reductions are issued asynchronously from post-accumulate-grad hooks, so they overlap the rest of the backward,
 and always in one order, the same on every rank: a group whose gradients are complete waits until every group
@@ -123,12 +123,12 @@ def _copy_columns(rows: torch.Tensor, grad: torch.Tensor, offset: int, s: int, c
 BUCKETS_ALIVE = 4  # buckets in flight at once (DeepSpeed ZeRO-3: one filling and two reducing)
 
 
-def comm_buffers_budget(bucket_bytes: int, scratch_bytes: int = 0) -> Tuple[int, int]:
-    """The most bytes of gradient buckets, and of their reduce-scatters' scratch, alive at once, which the reducer
-    keeps to, given the largest bucket (at most C_B) and the scratch its reduce-scatter holds in flight (gloo's
-    pairwise exchange: (W-1)/W of it; stage 1 has no buckets, only the scratch of reducing its largest
-    accumulator): constants, independent of the model's size (the paper's constant-size buffers)."""
-    return BUCKETS_ALIVE * bucket_bytes, BUCKETS_ALIVE * scratch_bytes
+def comm_buffers_budget(slab_bytes: int) -> int:
+    """The most bytes of gradient buckets, and of the scratch their reduce-scatters hold in flight (gloo's pairwise
+    exchange: (W-1)/W of a bucket), alive at once, which the reducer keeps to, given the pool's slab: the largest
+    bucket (at most C_B), or at stage 1, which has no buckets, the scratch of its largest accumulator. A constant,
+    independent of the model's size (the paper's constant-size buffers)."""
+    return BUCKETS_ALIVE * slab_bytes
 
 
 def largest_reduction(groups: List[FlatGroup], policy: GradientPolicy, bucket_bytes: int) -> int:
@@ -177,13 +177,12 @@ class Reducer:
     """Owns the post-accumulate-grad hooks of all trainable parameters.
 
     `bucket_bytes` (C_B, reduce_bucket_size): no gradient bucket exceeds it. `budget_bytes` (`comm_buffers_budget`)
-    bounds the bytes of buckets alive at once and of the scratch their reduce-scatters hold (`scratch_bytes`: bytes
-    of scratch for a reduce-scatter of so many bytes, taken from the same pool); `budget_bytes` is their sum.
-    `agree`: rank 0's value of a Python object on every rank (the control plane's `share`), to agree the launch
-    order."""
+    bounds the bytes of buckets alive at once with the scratch their reduce-scatters hold (`scratch_bytes`: bytes
+    of scratch for a reduce-scatter of so many bytes, slabs of the same pool). `agree`: rank 0's value of a Python
+    object on every rank (the control plane's `share`), to agree the launch order."""
 
     def __init__(self, groups: List[FlatGroup], policy: GradientPolicy, comm: Comm, pool: BufferPool,
-                 budget_bytes: Tuple[int, int], bucket_bytes: int,
+                 budget_bytes: int, bucket_bytes: int,
                  reduce_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: d,
                  on_launch: Optional[Callable[[FlatGroup], None]] = None,
                  on_backward_end: Optional[Callable[[], None]] = None, route: Optional[ReduceRoute] = None,
@@ -194,9 +193,7 @@ class Reducer:
         self.scratch_bytes = scratch_bytes
         self.route: ReduceRoute = route if route is not None else comm  # reduce-scatters: plain or HSDP
         self.world_size = world_size or comm.world_size  # N: every rank's gradient is in the sum
-        self.bucket_bytes = bucket_bytes
-        self.bucket_budget, self.scratch_budget = budget_bytes
-        self.budget_bytes = sum(budget_bytes)
+        self.bucket_bytes, self.budget_bytes = bucket_bytes, budget_bytes
         self.agree = agree if agree is not None else (lambda obj: obj)
         self.into_shards = HostGradients()  # ZeRO-Offload: shards in host memory get their ranges by async copies
         columns = columns if columns is not None else reduction_columns(groups, policy, reduce_dtype, bucket_bytes)
@@ -295,20 +292,13 @@ class Reducer:
         return self.pool.take(numel, dtype, device, zero=True)
 
     def _make_room(self, nbytes: int, bucket: bool = True) -> bool:
-        """Wait for the oldest reductions in flight until a reduce-scatter of `nbytes` fits the budget: its
-        scratch, and for a `bucket` taken from the pool the bucket; whether it does (buckets still filling are not
+        """Wait for the oldest reductions in flight until a reduce-scatter of `nbytes` fits the budget with its
+        scratch and, for a `bucket` taken from the pool, the bucket; whether it does (buckets still filling are not
         in flight: they may keep it over)."""
-        pool = self.pool
-        scratch = pool.held(self.scratch_bytes(nbytes), scratch=True)
-
-        def fits() -> bool:
-            return (pool.scratch_live_bytes + scratch <= self.scratch_budget
-                    and (not bucket or pool.live_bytes - pool.scratch_live_bytes + pool.held(nbytes)
-                         <= self.bucket_budget))
-
-        while self.inflight and not fits():
+        need = self.pool.held(self.scratch_bytes(nbytes)) + (self.pool.held(nbytes) if bucket else 0)
+        while self.inflight and self.pool.live_bytes + need > self.budget_bytes:
             self.inflight.pop(0).wait()
-        return fits()
+        return self.pool.live_bytes + need <= self.budget_bytes
 
     def _hold(self, st: _GroupState, slot, grad: torch.Tensor) -> None:
         """Stages 2/3: keep a gradient until its group launches. A group that goes out in one bucket takes that
