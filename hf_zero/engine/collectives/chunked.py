@@ -52,10 +52,10 @@ class Chunked(Collectives):
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool,
                        on_done: Optional[Callable[[], None]], tag: str = "") -> Handle:
-        chunks = inp.view(-1).chunk(self.world_size)
-        mine = chunks[self.rank]
         if self._pairwise(inp.device.type):
             return self._exchange(out, inp, async_op, on_done)
+        chunks = inp.view(-1).chunk(self.world_size)
+        mine = chunks[self.rank]
         works = [dist.reduce(c, self.global_ranks[r], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
                  for r, c in enumerate(chunks)]
 
