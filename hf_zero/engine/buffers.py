@@ -36,15 +36,12 @@ class BufferPool:
         """Bytes the pool holds for a buffer of `nbytes`: a whole slab, or the buffer's own bytes beyond one."""
         return self.slab_bytes if 0 < nbytes <= self.slab_bytes else nbytes
 
+    def scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A reduce-scatter's scratch: a buffer of `numel` elements, contents unspecified."""
+        return self.take(numel, dtype, device)
+
     def take(self, numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
         """A gradient bucket of `numel` elements (zeroed if `zero`)."""
-        buf = self.scratch(numel, dtype, device)
-        if zero:
-            buf.zero_()
-        return buf
-
-    def scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A buffer of `numel` elements, contents unspecified (a reduce-scatter's scratch)."""
         nbytes = numel * dtype.itemsize
         if nbytes <= self.slab_bytes:
             free = self._free[self._device(device)]
@@ -60,6 +57,8 @@ class BufferPool:
             self.allocations += 1
         self.live_bytes += self.held(nbytes)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if zero:
+            buf.zero_()
         return buf
 
     def _device(self, device: torch.device) -> torch.device:
